@@ -1,0 +1,65 @@
+# kubellm: `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.DEFAULT_GOAL := help
+
+.PHONY: help
+help: ## Show this help
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" -e ".[dev]"
+	@touch $(STAMP)
+
+.PHONY: install
+install: $(STAMP) ## Create .venv and install kubellm with its dev tools
+
+.PHONY: run
+run: $(STAMP) ## Run the whole pipeline locally (compiled YAML, kfp.local); ARGS="--set k=v"
+	$(BIN)/kubellm run --local $(ARGS)
+
+.PHONY: test
+test: $(STAMP) ## Run the full test suite (what CI runs)
+	$(BIN)/python -m pytest $(ARGS)
+
+.PHONY: lint
+lint: $(STAMP) ## ruff lint + format check, mypy on src
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+.PHONY: format
+format: $(STAMP) ## Apply ruff fixes and formatting
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+.PHONY: compile
+compile: $(STAMP) ## Recompile pipelines/*.yaml from pipelines/*.py
+	$(BIN)/kubellm compile
+
+.PHONY: mlflow-ui
+mlflow-ui: $(STAMP) ## Open the MLflow UI on the local results (127.0.0.1:5000)
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --host 127.0.0.1 --port 5000
+
+.PHONY: manifests
+manifests: ## Render the kustomize overlays (needs kubectl)
+	kubectl kustomize manifests/base >/dev/null && echo "base ok"
+	kubectl kustomize manifests/overlays/rdma >/dev/null && echo "rdma ok"
+
+.PHONY: clean
+clean: ## Remove local run state (runs/, kfp outputs); keeps .venv
+	rm -rf runs local_outputs
+
+.PHONY: distclean
+distclean: clean ## Remove everything made here, .venv included
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

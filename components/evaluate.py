@@ -1,0 +1,34 @@
+"""evaluate: held-out loss, perplexity and exact match; the gate decision."""
+
+from kfp import dsl
+from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
+
+from kubellm import RUNTIME_IMAGE
+
+
+@dsl.component(base_image=RUNTIME_IMAGE, install_kfp_package=False)
+def evaluate(
+    config: str,
+    parent_run_id: str,
+    kfp_run_id: str,
+    model: Input[Model],
+    dataset: Input[Dataset],
+    metrics: Output[Metrics],
+    predictions: Output[Dataset],
+    report: Output[Markdown],
+) -> str:
+    """Returns the gate decision ("promote" or "reject"), the DAG's one condition input.
+
+    A single output on purpose: kfp.local resolves `dsl.If` conditions on a task's
+    `Output` but not on NamedTuple fields.
+    """
+    from kubellm.evaluate.stage import run_evaluate
+    from kubellm.stage import StageContext
+
+    ctx = StageContext.load(config, parent_run_id, kfp_run_id)
+    result = run_evaluate(ctx, model.path, dataset.path, predictions.path)
+    for name, value in result["metrics"].items():
+        metrics.log_metric(name, value)
+    with open(report.path, "w") as fh:
+        fh.write(f"# Evaluation\n\nGate: **{result['decision']}** ({result['reason']})\n")
+    return str(result["decision"])

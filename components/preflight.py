@@ -1,0 +1,49 @@
+"""preflight: validate every parameter, open the MLflow lineage, check the fabric."""
+
+from typing import NamedTuple
+
+from kfp import dsl
+
+from kubellm import RUNTIME_IMAGE
+
+
+@dsl.component(base_image=RUNTIME_IMAGE, install_kfp_package=False)
+def preflight(
+    platform: str,
+    seed: int,
+    data_source: str,
+    text_field: str,
+    num_records: int,
+    val_fraction: float,
+    vocab_size: int,
+    seq_len: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    tune_trials: int,
+    tune_steps: int,
+    train_steps: int,
+    batch_size: int,
+    learning_rate: float,
+    nproc_per_node: int,
+    num_nodes: int,
+    gate_min_accuracy: float,
+    model_name: str,
+    experiment_name: str,
+    mlflow_tracking_uri: str,
+    runs_dir: str,
+    namespace: str,
+    trainer_image: str,
+    serving_image: str,
+    workspace_pvc: str,
+    job_timeout_minutes: int,
+    kfp_run_id: str,
+) -> NamedTuple("Outputs", [("config", str), ("parent_run_id", str)]):  # type: ignore[valid-type]
+    params = dict(locals())  # first statement: exactly the parameters
+    params.pop("kfp_run_id")
+    from collections import namedtuple
+
+    from kubellm.preflight.stage import run_preflight
+
+    cfg, parent = run_preflight(params, kfp_run_id)
+    return namedtuple("Outputs", ["config", "parent_run_id"])(cfg.model_dump_json(), parent)

@@ -1,0 +1,260 @@
+"""The `kubellm` command.
+
+    kubellm run --local                      # the whole pipeline on this machine (CPU)
+    kubellm run --local --set train_steps=200 --set tune_trials=0
+    kubellm compile                          # pipelines/*.py -> pipelines/*.yaml
+    kubellm submit pipelines/llm_train.yaml --endpoint http://localhost:8080
+    kubellm prepare runs/dataset             # one stage by hand
+    kubellm train --dataset runs/dataset --output runs/model --nproc 2
+    kubellm evaluate runs/model runs/dataset
+    kubellm serve runs/model --name kubellm-tiny --port 8080
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from kubellm.config import (
+    ConfigError,
+    PipelineConfig,
+    TrainConfig,
+    parse_overrides,
+    pipeline_config,
+    validate,
+)
+
+DEFAULT_PIPELINE = "pipelines/llm_train.yaml"
+
+
+def _add_set(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override one {what} (repeatable); values parse as JSON when they can",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kubellm",
+        description="Train, tune, evaluate, register and serve a language model with Kubeflow.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        help="run the compiled pipeline locally with kfp.local",
+        description="Run the committed pipeline YAML on this machine: kfp.local's "
+        "SubprocessRunner, torchrun for training, optuna for tuning, a loopback KServe "
+        "ModelServer, MLflow on sqlite under --runs-dir.",
+    )
+    run.add_argument("--local", action="store_true", required=True, help="run on this machine")
+    run.add_argument("--pipeline", default=DEFAULT_PIPELINE, help="compiled pipeline YAML")
+    _add_set(run, "pipeline parameter")
+
+    comp = sub.add_parser("compile", help="rebuild pipelines/*.yaml from pipelines/*.py")
+    comp.add_argument("--dir", default="pipelines", help="folder of pipeline definitions")
+
+    submit = sub.add_parser(
+        "submit",
+        help="create a run on a Kubeflow Pipelines endpoint",
+        description="Create a run from a compiled pipeline with the kfp client. The endpoint "
+        "comes from --endpoint or $KFP_ENDPOINT; credentials from the kfp client's usual "
+        "environment (never from pipeline parameters).",
+    )
+    submit.add_argument("pipeline", help="compiled pipeline YAML")
+    submit.add_argument("--endpoint", default=os.environ.get("KFP_ENDPOINT"), help="KFP API URL")
+    submit.add_argument("--experiment", default="kubellm", help="KFP experiment name")
+    submit.add_argument("--run-name", default=None, help="run name (default: timestamped)")
+    submit.add_argument("--namespace", default=None, help="Kubeflow profile namespace")
+    _add_set(submit, "pipeline parameter")
+
+    prep = sub.add_parser("prepare", help="prepare_data by hand: build a Dataset directory")
+    prep.add_argument("out_dir", help="where the dataset directory is written")
+    _add_set(prep, "pipeline parameter (data_source, num_records, seq_len, ...)")
+
+    tr = sub.add_parser("train", help="train by hand under torchrun (gloo on CPU)")
+    tr.add_argument("--dataset", required=True, help="dataset directory (kubellm prepare)")
+    tr.add_argument("--output", required=True, help="model directory to write")
+    tr.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc_per_node)")
+    _add_set(tr, "TrainConfig field (steps, learning_rate, batch_size, ...)")
+
+    ev = sub.add_parser("evaluate", help="evaluate a model directory on a dataset")
+    ev.add_argument("model_dir")
+    ev.add_argument("dataset_dir")
+
+    sv = sub.add_parser("serve", help="serve a model directory with the KServe ModelServer")
+    sv.add_argument("model_dir")
+    sv.add_argument("--name", default="kubellm", help="model name (/v1/models/NAME)")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
+    sv.add_argument("--port", type=int, default=8080)
+    sv.add_argument("--trust-remote-code", action="store_true")
+    return parser
+
+
+# -- compile -----------------------------------------------------------------------------
+
+
+def compile_pipelines(folder: str | Path) -> list[Path]:
+    """Compile every pipelines/*.py that defines a `pipeline` to the .yaml beside it."""
+    from kfp import compiler
+
+    written = []
+    for src in sorted(Path(folder).glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"_kubellm_pipeline_{src.stem}", src)
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "pipeline"):
+            continue
+        out = src.with_suffix(".yaml")
+        compiler.Compiler().compile(module.pipeline, str(out))
+        written.append(out)
+    return written
+
+
+# -- run --local -------------------------------------------------------------------------
+
+
+def run_local(pipeline_yaml: str | Path, overrides: dict[str, Any]) -> int:
+    """Run the compiled YAML (not the Python DSL) with kfp.local; returns an exit code."""
+    cfg = pipeline_config(overrides, platform="local")  # every value checked before any stage
+    from kfp import local
+    from kfp.components import load_component_from_file
+
+    path = Path(pipeline_yaml)
+    if not path.is_file():
+        raise ConfigError(f"pipeline {pipeline_yaml} not found (run `kubellm compile`)")
+    runs = Path(cfg.runs_dir).resolve()
+    root = runs / "kfp"
+    root.mkdir(parents=True, exist_ok=True)
+    # component subprocesses run `python3 ...`: make it this environment's python
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+    pipeline = load_component_from_file(str(path))
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=False
+    )
+    before = set(root.iterdir())
+    started = time.monotonic()
+    # typed as the pipeline declares them (an int given for a float parameter is a float)
+    arguments = {k: getattr(cfg, k) for k in overrides}
+    arguments.update(platform="local", runs_dir=str(runs))
+    print(f"kubellm: running {path} locally (outputs under {root})", flush=True)
+    task = pipeline(**arguments)
+    elapsed = time.monotonic() - started
+    new_runs = sorted(set(root.iterdir()) - before)
+    summary = _find_summary(new_runs)
+    ok = _pipeline_succeeded(task, summary)
+    print("\n" + "=" * 78)
+    print(summary.read_text() if summary else "No summary was written (see the log above).")
+    print(f"kubellm: pipeline {'succeeded' if ok else 'FAILED'} in {elapsed:.0f}s")
+    return 0 if ok else 1
+
+
+def _find_summary(run_dirs: list[Path]) -> Path | None:
+    for run_dir in reversed(run_dirs):
+        for report in run_dir.glob("summarize*/report"):
+            return report
+    return None
+
+
+def _pipeline_succeeded(task: Any, summary: Path | None) -> bool:
+    if summary is None:
+        return False
+    first = summary.read_text().splitlines()[0] if summary.read_text() else ""
+    return first.endswith(": SUCCEEDED")
+
+
+# -- stages by hand ----------------------------------------------------------------------
+
+
+def _prepare(out_dir: str, overrides: dict[str, Any]) -> int:
+    from kubellm.data.prepare import PrepareParams, prepare
+
+    cfg = pipeline_config(overrides, platform="local")
+    manifest = prepare(
+        PrepareParams(
+            source=cfg.data_source,
+            text_field=cfg.text_field,
+            num_records=cfg.num_records,
+            seed=cfg.seed,
+            val_fraction=cfg.val_fraction,
+            vocab_size=cfg.vocab_size,
+            seq_len=cfg.seq_len,
+        ),
+        out_dir,
+    )
+    print(json.dumps(manifest["records"], indent=2))
+    return 0
+
+
+def _train(dataset: str, output: str, nproc: int, overrides: list[str]) -> int:
+    from kubellm.jobs import TrainJob
+    from kubellm.train.torchrun import TorchrunTrainer
+
+    values = {"dataset_dir": dataset, "output_dir": output}
+    values.update(parse_overrides(overrides, TrainConfig))
+    train_cfg = validate(TrainConfig, values)
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg_path = out.parent / f"{out.name}.train.json"
+    cfg_path.write_text(train_cfg.model_dump_json(indent=2))
+    job = TrainJob(name="train", train_args=["--config", str(cfg_path)], nproc_per_node=nproc)
+    result = TorchrunTrainer().run(job)
+    print(json.dumps(result.metrics, indent=2))
+    return 0
+
+
+def _evaluate(model_dir: str, dataset_dir: str) -> int:
+    from kubellm.evaluate.metrics import evaluate
+
+    print(json.dumps(evaluate(model_dir, dataset_dir)["metrics"], indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "compile":
+            for out in compile_pipelines(args.dir):
+                print(f"compiled {out}")
+            return 0
+        if args.command == "run":
+            return run_local(args.pipeline, parse_overrides(args.overrides, PipelineConfig))
+        if args.command == "submit":
+            from kubellm.submit import submit
+
+            return submit(args)
+        if args.command == "prepare":
+            return _prepare(args.out_dir, parse_overrides(args.overrides, PipelineConfig))
+        if args.command == "train":
+            return _train(args.dataset, args.output, args.nproc, args.overrides)
+        if args.command == "evaluate":
+            return _evaluate(args.model_dir, args.dataset_dir)
+        if args.command == "serve":
+            from kubellm.serve.server import serve
+
+            serve(args.model_dir, args.name, args.host, args.port, args.trust_remote_code)
+            return 0
+    except ConfigError as err:
+        print(f"kubellm: error: {err}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Typed configuration for every stage.
+
+Why one module: the pipeline's parameters, the `kubellm --set` overrides and the trainer's
+flags all map onto these models, so a bad value is caught once, before anything expensive
+starts, with one message that names the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Platform = Literal["local", "kubernetes"]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the field and the allowed values."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    """Shape of the from-config Llama-style causal LM (the local default)."""
+
+    hidden_size: int = Field(128, ge=8, description="Width of the residual stream.")
+    num_layers: int = Field(2, ge=1, le=64, description="Number of decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads; must divide hidden_size.")
+    intermediate_size: int = Field(256, ge=8, description="Width of the MLP.")
+    max_position_embeddings: int = Field(128, ge=8, description="Longest sequence the model takes.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})"
+            )
+        return self
+
+
+class TrainConfig(_Strict):
+    """Everything `python -m kubellm.train` needs; nothing launcher-specific."""
+
+    dataset_dir: str = Field(..., description="Dataset artifact directory (train/, val/, tokenizer/).")
+    output_dir: str = Field(..., description="Where the Hugging Face model directory is written.")
+    steps: int = Field(300, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Global batch (sequences per step, all ranks).")
+    learning_rate: float = Field(3e-3, gt=0, lt=1, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps before cosine decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    seed: int = Field(0, description="Seed for model init and data order.")
+    log_every: int = Field(20, ge=1, description="Print name=value metric lines every N steps.")
+    eval_batches: int = Field(8, ge=1, description="Validation batches at the end of training.")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
+    save_model: bool = Field(True, description="Export the model (tuning trials skip it).")
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig())  # type: ignore[call-arg]
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend; auto picks nccl on GPUs, gloo on CPU."
+    )
+    mlflow_tracking_uri: str = Field("", description="MLflow tracking URI; empty disables logging.")
+    mlflow_run_id: str = Field("", description="MLflow run to log metrics to (rank 0 only).")
+
+
+class PipelineConfig(_Strict):
+    """The pipeline's parameters. `pipelines/llm_train.py` declares exactly these, same defaults."""
+
+    platform: Platform = Field(
+        "kubernetes", description="Where jobs run: 'kubernetes' (cluster) or 'local' (one machine)."
+    )
+    seed: int = Field(0, ge=0, description="Seed for data generation, splits, init and tuning.")
+    data_source: str = Field(
+        "synthetic",
+        description="'synthetic' (built-in arithmetic Q/A) or a path/glob of JSONL files.",
+    )
+    text_field: str = Field("text", min_length=1, description="JSONL field holding the text.")
+    num_records: int = Field(20000, ge=100, le=10_000_000, description="Synthetic records.")
+    val_fraction: float = Field(0.1, gt=0, lt=0.5, description="Share of records held out.")
+    vocab_size: int = Field(512, ge=64, le=262_144, description="BPE vocabulary size.")
+    seq_len: int = Field(32, ge=8, le=8192, description="Packed sequence length in tokens.")
+    hidden_size: int = Field(128, ge=8, description="Model width.")
+    num_layers: int = Field(3, ge=1, le=64, description="Decoder layers.")
+    num_heads: int = Field(4, ge=1, description="Attention heads (divide hidden_size).")
+    tune_trials: int = Field(3, ge=0, le=200, description="Hyperparameter trials; 0 skips tuning.")
+    tune_steps: int = Field(100, ge=1, description="Optimizer steps per trial.")
+    train_steps: int = Field(1000, ge=1, description="Optimizer steps of the final training run.")
+    batch_size: int = Field(64, ge=1, description="Global batch size (divisible by processes).")
+    learning_rate: float = Field(3e-3, gt=0, lt=1, description="Learning rate when not tuned.")
+    nproc_per_node: int = Field(2, ge=1, le=64, description="Training processes per node.")
+    num_nodes: int = Field(1, ge=1, le=1024, description="Training nodes (PyTorchJob workers).")
+    gate_min_accuracy: float = Field(
+        0.2, ge=0, le=1, description="Held-out exact-match accuracy the model must reach to ship."
+    )
+    model_name: str = Field(
+        "kubellm-tiny",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        max_length=45,
+        description="Registered model and InferenceService name (DNS-1123 label).",
+    )
+    experiment_name: str = Field("kubellm", min_length=1, description="MLflow experiment.")
+    mlflow_tracking_uri: str = Field(
+        "",
+        description="MLflow tracking URI; empty: sqlite under runs_dir (local) or "
+        "$MLFLOW_TRACKING_URI (kubernetes).",
+    )
+    runs_dir: str = Field("runs", min_length=1, description="Local state: MLflow store, servers.")
+    namespace: str = Field("kubellm", min_length=1, description="Kubernetes namespace for jobs.")
+    trainer_image: str = Field(
+        "ghcr.io/kubellm/trainer:0.1.0", min_length=1, description="Image of training pods."
+    )
+    serving_image: str = Field(
+        "ghcr.io/kubellm/serving:0.1.0", min_length=1, description="Image of the model server."
+    )
+    workspace_pvc: str = Field(
+        "kubellm-workspace", min_length=1, description="PVC shared by steps and jobs (cluster)."
+    )
+    job_timeout_minutes: int = Field(
+        120, ge=1, description="A job still running after this is deleted and the step fails."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PipelineConfig:
+        procs = self.nproc_per_node * self.num_nodes
+        if self.batch_size % procs:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be divisible by nproc_per_node x num_nodes "
+                f"({procs})"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})"
+            )
+        return self
+
+    # -- derived values -------------------------------------------------------------------
+
+    def model_shape(self) -> ModelConfig:
+        return ModelConfig(
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            intermediate_size=self.hidden_size * 2,
+            max_position_embeddings=max(128, self.seq_len),
+        )
+
+    def resolved(self) -> PipelineConfig:
+        """Fill the values that depend on where we run (absolute paths, tracking URI)."""
+        runs = Path(self.runs_dir).expanduser()
+        uri = self.mlflow_tracking_uri
+        if self.platform == "local":
+            runs = runs.resolve()
+            uri = uri or f"sqlite:///{runs / 'mlflow.db'}"
+        else:
+            uri = uri or os.environ.get("MLFLOW_TRACKING_URI", "http://mlflow.kubellm:5000")
+        return self.model_copy(update={"runs_dir": str(runs), "mlflow_tracking_uri": uri})
+
+
+_M = typing.TypeVar("_M", bound=BaseModel)
+
+
+def _describe_allowed(model: type[BaseModel], name: str) -> str:
+    field = model.model_fields[name]
+    ann = field.annotation
+    if typing.get_origin(ann) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(ann))
+    bounds = []
+    for meta in field.metadata:
+        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            val = getattr(meta, attr, None)
+            if val is not None:
+                bounds.append(f"{sym} {val}")
+        pattern = getattr(meta, "pattern", None)
+        if pattern:
+            bounds.append(f"matching {pattern}")
+    kind = getattr(ann, "__name__", str(ann))
+    return f"{kind} " + " and ".join(bounds) if bounds else kind
+
+
+def _error_line(model: type[BaseModel], err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    name = str(first["loc"][0]) if first["loc"] else ""
+    got = first.get("input")
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(model.model_fields)
+        return f"unknown parameter '{loc}'; allowed parameters: {allowed}"
+    if name in model.model_fields:
+        return f"invalid {loc}={got!r}: {first['msg']}; allowed: {_describe_allowed(model, name)}"
+    return f"invalid configuration: {first['msg'].removeprefix('Value error, ')}"
+
+
+def validate(model: type[_M], values: dict[str, Any]) -> _M:
+    """Build a config model, turning pydantic's report into one line that names the field."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as err:
+        raise ConfigError(_error_line(model, err)) from None
+
+
+def parse_overrides(pairs: list[str], model: type[BaseModel] = PipelineConfig) -> dict[str, Any]:
+    """Parse `key=value` strings; values are JSON when they parse as JSON, else strings."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {pair!r} is not key=value")
+        if key not in model.model_fields:
+            allowed = ", ".join(model.model_fields)
+            raise ConfigError(f"unknown parameter '{key}'; allowed parameters: {allowed}")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        if isinstance(value, (dict, list)) and model.model_fields[key].annotation is str:
+            value = raw
+        out[key] = value
+    return out
+
+
+def pipeline_config(overrides: dict[str, Any] | None = None, **fixed: Any) -> PipelineConfig:
+    """The pipeline config from defaults, overrides and fixed values (fixed wins)."""
+    return validate(PipelineConfig, {**(overrides or {}), **fixed})

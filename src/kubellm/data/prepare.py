@@ -1,0 +1,244 @@
+"""prepare_data: read, clean, dedup, split, tokenize, pack and shard text to Parquet.
+
+The Dataset artifact it writes is the contract with every later stage:
+
+    train/shard-00000.parquet   input_ids: list<int32>, one packed sequence a row
+    val/shard-00000.parquet     the same for held-out records
+    eval/examples.parquet       prompt, completion (held-out records that have them)
+    tokenizer/                  Hugging Face tokenizer files
+    manifest.json               counts (read = kept + dropped), tokens, shard digests, fingerprint
+
+Nothing is dropped silently: each dropped record is counted under its reason.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import re
+import sys
+import time
+import unicodedata
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kubellm.data.synthetic import arithmetic_records
+from kubellm.data.tokenizer import train_bpe
+
+MANIFEST = "manifest.json"
+_WS = re.compile(r"[ \t\r\f\v]+")
+
+
+class DataError(ValueError):
+    """Input that cannot become a dataset; the message names the file, line or filter."""
+
+
+@dataclass
+class PrepareParams:
+    source: str = "synthetic"
+    text_field: str = "text"
+    num_records: int = 20000  # synthetic only
+    seed: int = 0
+    val_fraction: float = 0.1
+    vocab_size: int = 512
+    seq_len: int = 32
+    min_chars: int = 1
+    max_chars: int = 100_000
+    shard_rows: int = 65_536
+    on_error: str = "skip"  # or "fail"
+
+
+@dataclass
+class Counts:
+    read: int = 0
+    kept: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    def drop(self, reason: str, where: str, on_error: str, strict: bool = False) -> None:
+        if strict and on_error == "fail":
+            raise DataError(f"{where}: {reason.replace('_', ' ')}")
+        self.dropped[reason] += 1
+
+
+def _read_source(p: PrepareParams, counts: Counts) -> Iterator[dict[str, Any]]:
+    """Records from the source; malformed ones are counted (or fail, with file and line)."""
+    if p.source == "synthetic":
+        yield from arithmetic_records(p.num_records, seed=p.seed)
+        return
+    paths = sorted(glob.glob(p.source)) or ([p.source] if Path(p.source).is_file() else [])
+    if not paths:
+        raise DataError(f"data_source {p.source!r} matches no file")
+    for path in paths:
+        with open(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                if not raw.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    rec = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    counts.read += 1
+                    counts.drop("invalid_utf8", where, p.on_error, strict=True)
+                    continue
+                except json.JSONDecodeError as err:
+                    counts.read += 1
+                    counts.drop("malformed_json", f"{where}: {err}", p.on_error, strict=True)
+                    continue
+                if not isinstance(rec, dict) or not isinstance(rec.get(p.text_field), str):
+                    counts.read += 1
+                    counts.drop(
+                        "missing_text", f"{where}: no string field {p.text_field!r}", p.on_error, True
+                    )
+                    continue
+                yield {**rec, "text": rec[p.text_field]}
+
+
+def normalize(text: str) -> str:
+    """Unicode NFC, runs of horizontal whitespace folded, lines stripped."""
+    text = unicodedata.normalize("NFC", text)
+    return "\n".join(_WS.sub(" ", line).strip() for line in text.splitlines()).strip()
+
+
+def is_validation(text: str, val_fraction: float) -> bool:
+    """Split by content hash: a record's side never changes when data is appended."""
+    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    return (h % 1_000_000) < val_fraction * 1_000_000
+
+
+def _pack(token_lists: Iterable[list[int]], eos: int, seq_len: int) -> tuple[list[list[int]], int]:
+    """Concatenate with EOS separators and chunk; returns sequences and the cropped tail."""
+    flat: list[int] = []
+    for ids in token_lists:
+        flat.extend(ids)
+        flat.append(eos)
+    n = len(flat) // seq_len
+    return [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)], len(flat) - n * seq_len
+
+
+def _write_shards(out: Path, rows: list[list[int]], shard_rows: int) -> list[dict[str, Any]]:
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for i in range(0, max(len(rows), 1), shard_rows):
+        chunk = rows[i : i + shard_rows]
+        table = pa.table({"input_ids": pa.array(chunk, type=pa.list_(pa.int32()))})
+        path = out / f"shard-{i // shard_rows:05d}.parquet"
+        pq.write_table(table, path, compression="zstd")
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        shards.append({"name": f"{out.name}/{path.name}", "rows": len(chunk), "sha256": digest})
+    return shards
+
+
+def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
+    """Build the Dataset artifact in `out_dir`; returns the manifest."""
+    t0 = time.monotonic()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = Counts()
+    seen: set[bytes] = set()
+    source_hash = hashlib.sha256()
+    train: list[str] = []
+    val: list[dict[str, str]] = []
+    for rec in _read_source(params, counts):
+        counts.read += 1
+        raw = rec["text"]
+        source_hash.update(raw.encode("utf-8", "surrogatepass") + b"\0")
+        text = normalize(raw)
+        if not text:
+            counts.drop("empty", "", params.on_error)
+            continue
+        if len(text) < params.min_chars:
+            counts.drop("too_short", "", params.on_error)
+            continue
+        if len(text) > params.max_chars:
+            counts.drop("too_long", "", params.on_error)
+            continue
+        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        if key in seen:
+            counts.drop("duplicate", "", params.on_error)
+            continue
+        seen.add(key)
+        counts.kept += 1
+        if is_validation(text, params.val_fraction):
+            val.append({"text": text, **{k: rec[k] for k in ("prompt", "completion") if k in rec}})
+        else:
+            train.append(text)
+    if not train or not val:
+        reasons = ", ".join(f"{k}={v}" for k, v in counts.dropped.most_common()) or "none"
+        raise DataError(
+            f"no {'training' if not train else 'validation'} records left: read {counts.read}, "
+            f"kept {counts.kept}, dropped by reason: {reasons}"
+        )
+    print(f"prepare: read={counts.read} kept={counts.kept} train={len(train)} val={len(val)}")
+
+    tokenizer = train_bpe(train, params.vocab_size)
+    tokenizer.save_pretrained(out / "tokenizer")
+    eos = tokenizer.eos_token_id
+    assert eos is not None
+
+    token_counts: dict[str, int] = {}
+    cropped: dict[str, int] = {}
+    shards: list[dict[str, Any]] = []
+    for split, texts in (("train", train), ("val", [v["text"] for v in val])):
+        ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts)]
+        token_counts[split] = sum(len(x) + 1 for x in ids)
+        rows, cropped[split] = _pack(ids, eos, params.seq_len)
+        if not rows:
+            raise DataError(
+                f"{split} split has {token_counts[split]} tokens, fewer than one sequence "
+                f"of seq_len={params.seq_len}"
+            )
+        shards += _write_shards(out / split, rows, params.shard_rows)
+
+    examples = [v for v in val if "prompt" in v and "completion" in v]
+    (out / "eval").mkdir(exist_ok=True)
+    pq.write_table(
+        pa.table(
+            {
+                "prompt": [e["prompt"] for e in examples],
+                "completion": [e["completion"] for e in examples],
+            }
+        ),
+        out / "eval" / "examples.parquet",
+    )
+    elapsed = time.monotonic() - t0
+    total_tokens = sum(token_counts.values())
+    manifest: dict[str, Any] = {
+        "records": {
+            "read": counts.read,
+            "kept": counts.kept,
+            "dropped": dict(sorted(counts.dropped.items())),
+            "train": len(train),
+            "val": len(val),
+            "eval_examples": len(examples),
+        },
+        "tokens": {**token_counts, "cropped": cropped},
+        "seq_len": params.seq_len,
+        "shards": shards,
+        "tokenizer": {"kind": "byte-level-bpe", "vocab_size": len(tokenizer), "eos_id": eos},
+        "params": vars(params),
+        "source_fingerprint": source_hash.hexdigest(),
+        "seconds": round(elapsed, 3),
+    }
+    assert counts.read == counts.kept + sum(counts.dropped.values())
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    print(
+        f"prepare: tokens={total_tokens} sequences={sum(s['rows'] for s in shards)} "
+        f"tokens_per_sec={total_tokens / max(elapsed, 1e-9):.0f} "
+        f"fingerprint={manifest['source_fingerprint'][:12]}",
+        file=sys.stderr,
+    )
+    return manifest
+
+
+def load_manifest(dataset_dir: str | Path) -> dict[str, Any]:
+    path = Path(dataset_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{dataset_dir} is not a kubellm dataset: {MANIFEST} is missing")
+    return dict(json.loads(path.read_text()))

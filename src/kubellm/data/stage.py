@@ -1,0 +1,39 @@
+"""The prepare_data stage: build the Dataset artifact and log its counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kubellm.data.prepare import PrepareParams, prepare
+from kubellm.stage import StageContext
+
+
+def run_prepare(ctx: StageContext, out_dir: str | Path) -> dict[str, Any]:
+    cfg = ctx.cfg
+    params = PrepareParams(
+        source=cfg.data_source,
+        text_field=cfg.text_field,
+        num_records=cfg.num_records,
+        seed=cfg.seed,
+        val_fraction=cfg.val_fraction,
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+    )
+    with ctx.tracker.stage(ctx.parent_run_id, "prepare_data") as run_id:
+        manifest = prepare(params, out_dir)
+        rec = manifest["records"]
+        metrics = {
+            "records_read": rec["read"],
+            "records_kept": rec["kept"],
+            "tokens_train": manifest["tokens"]["train"],
+            "tokens_val": manifest["tokens"]["val"],
+            **{f"dropped_{k}": v for k, v in rec["dropped"].items()},
+        }
+        ctx.tracker.log(
+            run_id,
+            metrics=metrics,
+            params=vars(params),
+            tags={"kubellm.data_fingerprint": manifest["source_fingerprint"]},
+        )
+    return manifest

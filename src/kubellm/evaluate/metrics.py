@@ -1,0 +1,44 @@
+"""Held-out evaluation: loss and perplexity on the val split, exact match on examples."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+
+from kubellm.generate import complete, load_model
+from kubellm.train.loop import load_split
+
+
+@torch.no_grad()
+def heldout_loss(model: Any, dataset_dir: str | Path, batch_size: int = 64) -> float:
+    val = load_split(str(dataset_dir), "val")
+    total, count = 0.0, 0
+    for start in range(0, len(val), batch_size):
+        x = val[start : start + batch_size]
+        total += float(model(input_ids=x, labels=x).loss) * len(x)
+        count += len(x)
+    return total / max(count, 1)
+
+
+def evaluate(
+    model_dir: str | Path, dataset_dir: str | Path, max_examples: int = 256
+) -> dict[str, Any]:
+    """Metrics and the predictions on held-out examples (the smoke test compares with them)."""
+    model, tokenizer = load_model(model_dir)
+    loss = heldout_loss(model, dataset_dir)
+    metrics: dict[str, Any] = {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    path = Path(dataset_dir) / "eval" / "examples.parquet"
+    examples = pq.read_table(path).to_pylist()[:max_examples] if path.is_file() else []
+    predictions: list[dict[str, Any]] = []
+    if examples:
+        longest = max(len(tokenizer(e["completion"])["input_ids"]) for e in examples)
+        answers = complete(model, tokenizer, [e["prompt"] for e in examples], longest + 2)
+        for ex, answer in zip(examples, answers, strict=True):
+            predictions.append({**ex, "prediction": answer, "correct": answer == ex["completion"]})
+        metrics["exact_match"] = sum(p["correct"] for p in predictions) / len(predictions)
+        metrics["eval_examples"] = len(predictions)
+    return {"metrics": metrics, "predictions": predictions}

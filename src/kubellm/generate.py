@@ -1,0 +1,58 @@
+"""Greedy completion of prompts, shared by evaluate and the model server.
+
+Prompts are batched by token length, so no batch carries padding: the served model and the
+evaluated model compute the same thing for the same prompt.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from kubellm.data.tokenizer import load_tokenizer
+
+
+def load_model(model_dir: str | Path, trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """Load a Hugging Face model directory (safetensors only) and its tokenizer, eval mode."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a model directory: config.json is missing")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), use_safetensors=True, trust_remote_code=trust_remote_code
+    )
+    model.eval()
+    return model, load_tokenizer(path, trust_remote_code=trust_remote_code)
+
+
+@torch.no_grad()
+def complete(
+    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 64
+) -> list[str]:
+    """Greedy completions, cut at EOS, stripped."""
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, ids in enumerate(encoded):
+        by_len[len(ids)].append(i)
+    out: list[str] = [""] * len(prompts)
+    for length, members in by_len.items():
+        for start in range(0, len(members), batch_size):
+            chunk = members[start : start + batch_size]
+            if length == 0:
+                continue
+            x = torch.tensor([encoded[i] for i in chunk], dtype=torch.long)
+            gen = model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            texts = tokenizer.batch_decode(gen[:, length:], skip_special_tokens=True)
+            for i, text in zip(chunk, texts, strict=True):
+                out[i] = text.strip()
+    return out

@@ -1,0 +1,116 @@
+"""MLflow lineage: one parent run per pipeline run, one child run per stage.
+
+Why explicit run ids instead of mlflow's active-run globals: each stage is its own process
+(a KFP task, a pod), so the parent run id travels as a pipeline value, and every child run
+is tagged with the KFP run id so the exit handler can find them all again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from kubellm.config import PipelineConfig
+
+TAG_KFP_RUN = "kubellm.kfp_run_id"
+TAG_STAGE = "kubellm.stage"
+TAG_PARENT = "mlflow.parentRunId"
+TAG_NAME = "mlflow.runName"
+
+
+@dataclass(frozen=True)
+class Tracker:
+    """The MLflow store of one pipeline run."""
+
+    client: MlflowClient
+    experiment_id: str
+    kfp_run_id: str
+
+    @classmethod
+    def open(cls, cfg: PipelineConfig, kfp_run_id: str) -> Tracker:
+        client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
+        exp = client.get_experiment_by_name(cfg.experiment_name)
+        if exp is not None:
+            exp_id = exp.experiment_id
+        else:
+            location = None
+            if cfg.platform == "local":
+                location = (Path(cfg.runs_dir) / "mlartifacts").resolve().as_uri()
+            try:
+                exp_id = client.create_experiment(cfg.experiment_name, artifact_location=location)
+            except MlflowException:  # created meanwhile by a parallel step
+                found = client.get_experiment_by_name(cfg.experiment_name)
+                assert found is not None
+                exp_id = found.experiment_id
+        return cls(client, exp_id, kfp_run_id)
+
+    def start_parent(self, name: str, params: dict[str, Any]) -> str:
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=name,
+            tags={TAG_KFP_RUN: self.kfp_run_id, TAG_STAGE: "pipeline"},
+        )
+        self.log(run.info.run_id, params=params)
+        return str(run.info.run_id)
+
+    def find_parent(self) -> str | None:
+        runs = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`{TAG_KFP_RUN}` = '{self.kfp_run_id}' "
+            f"and tags.`{TAG_STAGE}` = 'pipeline'",
+            max_results=1,
+        )
+        return str(runs[0].info.run_id) if runs else None
+
+    def children(self, parent_run_id: str) -> list[Any]:
+        return list(
+            self.client.search_runs(
+                [self.experiment_id],
+                filter_string=f"tags.`{TAG_PARENT}` = '{parent_run_id}'",
+                order_by=["attributes.start_time ASC"],
+            )
+        )
+
+    @contextmanager
+    def stage(self, parent_run_id: str, stage: str) -> Iterator[str]:
+        """A child run for one stage; FAILED (and re-raised) when the stage raises."""
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=stage,
+            tags={TAG_PARENT: parent_run_id, TAG_KFP_RUN: self.kfp_run_id, TAG_STAGE: stage},
+        )
+        run_id = str(run.info.run_id)
+        try:
+            yield run_id
+        except BaseException as err:
+            self.client.set_tag(run_id, "kubellm.error", str(err)[:4000])
+            self.client.set_terminated(run_id, "FAILED")
+            raise
+        self.client.set_terminated(run_id, "FINISHED")
+
+    def log(
+        self,
+        run_id: str,
+        metrics: dict[str, float] | None = None,
+        params: dict[str, Any] | None = None,
+        tags: dict[str, Any] | None = None,
+        step: int = 0,
+    ) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
+            params=[Param(k, str(v)[:6000]) for k, v in (params or {}).items()],
+            tags=[RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()],
+        )
+
+    def finish_parent(self, parent_run_id: str, succeeded: bool) -> None:
+        self.client.set_terminated(parent_run_id, "FINISHED" if succeeded else "FAILED")

@@ -1,0 +1,92 @@
+"""The local trainer: torchrun on this machine, one node, gloo on CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+from kubellm.jobs import JobFailed, JobResult, JobTimeout, TrainJob, parse_metrics
+from kubellm.train.launcher import Trainer
+
+
+class TorchrunTrainer(Trainer):
+    """Runs `torchrun --standalone --nproc_per_node=N -m <module> ARGS` as a child process.
+
+    Output streams through line by line (progress), and is kept for the metrics. A job past
+    its timeout is killed with its whole process group.
+    """
+
+    def __init__(self, echo: bool = True) -> None:
+        self.echo = echo
+
+    def run(self, job: TrainJob) -> JobResult:
+        if job.nnodes != 1:
+            raise JobFailed(
+                f"num_nodes={job.nnodes}: the local trainer runs one node; "
+                "multi-node training needs platform=kubernetes (a PyTorchJob)"
+            )
+        if job.gpus_per_node:
+            raise JobFailed("gpus_per_node is not supported by the local trainer (CPU, gloo)")
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={job.nproc_per_node}",
+            "-m",
+            job.module,
+            *job.train_args,
+        ]
+        env = {**os.environ, **job.env, "PYTHONUNBUFFERED": "1"}
+        print(f"[{job.name}] {' '.join(cmd[2:])}", flush=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        lines: list[str] = []
+        tail: deque[str] = deque(maxlen=30)
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)
+                tail.append(line)
+                if self.echo and "OMP_NUM_THREADS" not in line and "*****" not in line:
+                    print(f"[{job.name}] {line}", end="", flush=True)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + job.timeout_s
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                _kill_group(proc)
+                raise JobTimeout(f"{job.name}: still running after {job.timeout_s:.0f}s; killed")
+            time.sleep(0.1)
+        reader.join(timeout=5)
+        logs = "".join(lines)
+        if proc.returncode != 0:
+            errors = [ln.strip() for ln in tail if "error" in ln.lower()]
+            reason = errors[-1] if errors else (tail[-1].strip() if tail else "no output")
+            raise JobFailed(f"{job.name}: exit code {proc.returncode}: {reason}")
+        return JobResult(name=job.name, logs=logs, metrics=parse_metrics(logs))
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

@@ -1,0 +1,1 @@
+"""Fakes for what cannot run in tests; each says what it stands in for."""

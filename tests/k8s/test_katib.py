@@ -1,0 +1,266 @@
+"""KatibTuner against the fake API server (schemas: Katib's OpenAPI spec + the PyTorchJob CRD)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from fakes.fake_k8s import FakeK8s
+
+from kubellm.jobs import JobFailed, JobTimeout, TrainJob
+from kubellm.k8s.katib import KatibTuner, build_experiment
+from kubellm.tune.base import SearchParam, TuneRequest
+
+from .conftest import POLL_S
+
+SPACE = [
+    SearchParam("learning_rate", 1e-4, 1e-2, log=True),
+    SearchParam("batch_size", 8, 64, kind="int"),
+]
+BASE_ARGS = ["--config", "/workspace/run/train.json"]
+CREATED = {"type": "Created", "status": "True", "reason": "ExperimentCreated"}
+RUNNING = {
+    "conditions": [CREATED, {"type": "Running", "status": "True", "reason": "ExperimentRunning"}],
+    "trials": 2,
+    "trialsRunning": 2,
+}
+BEST = {
+    "bestTrialName": "llm-tune-abcd1234",
+    "parameterAssignments": [
+        {"name": "learning_rate", "value": "0.0031"},
+        {"name": "batch_size", "value": "32"},
+    ],
+    "observation": {"metrics": [{"name": "eval_loss", "latest": "1.25", "min": "1.2", "max": "3"}]},
+}
+SUCCEEDED = {
+    "conditions": [
+        CREATED,
+        {"type": "Running", "status": "False", "reason": "ExperimentRunning"},
+        {
+            "type": "Succeeded",
+            "status": "True",
+            "reason": "ExperimentMaxTrialsReached",
+            "message": "Experiment has succeeded because max trial count has reached",
+        },
+    ],
+    "currentOptimalTrial": BEST,
+    "trials": 2,
+    "trialsSucceeded": 1,
+    "trialsFailed": 1,
+    "succeededTrialList": ["llm-tune-abcd1234"],
+    "failedTrialList": ["llm-tune-efgh5678"],
+}
+FAILED = {
+    "conditions": [
+        CREATED,
+        {"type": "Running", "status": "False"},
+        {
+            "type": "Failed",
+            "status": "True",
+            "reason": "ExperimentMaxFailedTrialsReached",
+            "message": "Experiment has failed because max failed count has reached",
+        },
+    ],
+    "trials": 2,
+    "trialsFailed": 2,
+}
+
+
+def request(**overrides: Any) -> TuneRequest:
+    base: dict[str, Any] = {
+        "name": "llm-tune",
+        "trial_job": TrainJob(
+            name="trial", image="ghcr.io/example/kubellm-trainer:test", train_args=BASE_ARGS
+        ),
+        "space": SPACE,
+        "max_trials": 2,
+        "parallel_trials": 2,
+        "seed": 7,
+        "timeout_s": 10.0,
+    }
+    return TuneRequest(**{**base, **overrides})
+
+
+def trial(name: str, lr: str, bs: str, cond: str, loss: str | None) -> dict[str, Any]:
+    metrics = [{"name": "eval_loss", "latest": loss, "min": loss, "max": loss}] if loss else []
+    return {
+        "apiVersion": "kubeflow.org/v1beta1",
+        "kind": "Trial",
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "labels": {"katib.kubeflow.org/experiment": "llm-tune"},
+        },
+        "spec": {
+            "parameterAssignments": [
+                {"name": "learning_rate", "value": lr},
+                {"name": "batch_size", "value": bs},
+            ]
+        },
+        "status": {
+            "conditions": [{"type": cond, "status": "True"}],
+            "observation": {"metrics": metrics},
+        },
+    }
+
+
+def add_trials(fake: FakeK8s, _experiment: dict[str, Any]) -> None:
+    """What Katib's controller does after the Experiment is created (plus a stranger's trial)."""
+    fake.put_object("trials", trial("llm-tune-abcd1234", "0.0031", "32", "Succeeded", "1.25"))
+    fake.put_object("trials", trial("llm-tune-efgh5678", "0.009", "8", "Failed", None))
+    other = trial("other-xyz", "0.1", "8", "Succeeded", "0.5")
+    other["metadata"]["labels"]["katib.kubeflow.org/experiment"] = "other"
+    fake.put_object("trials", other)
+
+
+def trial_container(experiment: dict[str, Any]) -> dict[str, Any]:
+    spec = experiment["spec"]["trialTemplate"]["trialSpec"]["spec"]
+    (container,) = spec["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+@dataclass
+class SpaceCase:
+    name: str
+    param: SearchParam
+    parameter: dict[str, Any]
+
+
+SPACE_CASES = [
+    SpaceCase(
+        "double-log",
+        SearchParam("learning_rate", 1e-4, 1e-2, log=True),
+        {
+            "name": "learning_rate",
+            "parameterType": "double",
+            "feasibleSpace": {"min": "0.0001", "max": "0.01", "distribution": "logUniform"},
+        },
+    ),
+    SpaceCase(
+        "int-uniform",
+        SearchParam("batch_size", 8, 64, kind="int"),
+        {
+            "name": "batch_size",
+            "parameterType": "int",
+            "feasibleSpace": {"min": "8", "max": "64", "distribution": "uniform"},
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize("case", SPACE_CASES, ids=lambda c: c.name)
+def test_parameters_from_search_space(case: SpaceCase, fake_k8s: FakeK8s) -> None:
+    body = build_experiment(request(space=[case.param]))
+    assert body["spec"]["parameters"] == [case.parameter]
+    assert fake_k8s.validate("experiments", body) == []
+
+
+def test_experiment_embeds_the_trainers_pytorchjob(fake_k8s: FakeK8s) -> None:
+    body = build_experiment(request())
+    spec = body["spec"]
+    assert fake_k8s.validate("experiments", body) == []
+    assert spec["objective"] == {
+        "type": "minimize",
+        "objectiveMetricName": "eval_loss",
+        "metricStrategies": [{"name": "eval_loss", "value": "latest"}],
+    }
+    assert spec["algorithm"] == {
+        "algorithmName": "tpe",
+        "algorithmSettings": [{"name": "random_state", "value": "7"}],
+    }
+    assert (spec["maxTrialCount"], spec["parallelTrialCount"], spec["maxFailedTrialCount"]) == (
+        2,
+        2,
+        1,
+    )
+    assert spec["metricsCollectorSpec"] == {"collector": {"kind": "StdOut"}}
+    template = spec["trialTemplate"]
+    assert template["primaryContainerName"] == "pytorch"
+    assert (
+        template["successCondition"] == 'status.conditions.#(type=="Succeeded")#|#(status=="True")#'
+    )
+    assert template["failureCondition"] == 'status.conditions.#(type=="Failed")#|#(status=="True")#'
+    assert template["trialSpec"]["kind"] == "PyTorchJob"
+    assert "metadata" not in template["trialSpec"]
+    container = trial_container(body)
+    assert container["args"] == [
+        "-m",
+        "kubellm.train",
+        *BASE_ARGS,
+        "--set",
+        "learning_rate=${trialParameters.learning_rate}",
+        "--set",
+        "batch_size=${trialParameters.batch_size}",
+    ]
+
+
+def test_counts_fit_katibs_limits(fake_k8s: FakeK8s) -> None:
+    body = build_experiment(request(max_trials=3, parallel_trials=8), max_failed_trials=10)
+    spec = body["spec"]
+    assert (spec["parallelTrialCount"], spec["maxFailedTrialCount"]) == (3, 3)
+    assert fake_k8s.validate("experiments", body) == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"space": []}, "search space is empty"),
+        ({"max_trials": 0}, "max_trials"),
+        ({"name": "7b-tune"}, "starting with a letter"),
+    ],
+)
+def test_requests_katib_would_reject_fail_early(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_experiment(request(**overrides))
+
+
+def test_success_returns_the_optimal_trial_and_the_trials(
+    fake_k8s: FakeK8s, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_k8s.script_status("experiments", "llm-tune", [RUNNING, SUCCEEDED])
+    fake_k8s.on_create("experiments", add_trials)
+
+    result = KatibTuner(fake_k8s.api_client(), poll_interval_s=POLL_S).tune(request())
+
+    assert result.best_trial == "llm-tune-abcd1234"
+    assert result.best_params == {"learning_rate": 0.0031, "batch_size": 32.0}
+    assert result.best_value == 1.25
+    assert [(t.name, t.state, t.value) for t in result.trials] == [
+        ("llm-tune-abcd1234", "succeeded", 1.25),
+        ("llm-tune-efgh5678", "failed", None),
+    ]
+    assert result.trials[1].params == {"learning_rate": 0.009, "batch_size": 8.0}
+    assert fake_k8s.errors == []
+    assert len(fake_k8s.created("experiments")) == 1
+    assert "experiment/llm-tune: Succeeded" in capsys.readouterr().out
+
+
+def test_success_without_an_objective_value_is_an_error(fake_k8s: FakeK8s) -> None:
+    no_best = {**SUCCEEDED, "currentOptimalTrial": {"observation": {"metrics": []}}}
+    fake_k8s.script_status("experiments", "llm-tune", [no_best])
+    with pytest.raises(JobFailed, match="without a trial that reported eval_loss"):
+        KatibTuner(fake_k8s.api_client(), poll_interval_s=POLL_S).tune(request())
+
+
+def test_failed_experiment_raises_with_reason(fake_k8s: FakeK8s) -> None:
+    fake_k8s.script_status("experiments", "llm-tune", [RUNNING, FAILED])
+
+    with pytest.raises(JobFailed, match="ExperimentMaxFailedTrialsReached") as info:
+        KatibTuner(fake_k8s.api_client(), poll_interval_s=POLL_S).tune(request())
+
+    assert not isinstance(info.value, JobTimeout)
+    assert "max failed count" in str(info.value)
+    assert fake_k8s.errors == []
+
+
+def test_timeout_deletes_the_experiment(fake_k8s: FakeK8s) -> None:
+    fake_k8s.script_status("experiments", "llm-tune", [RUNNING])
+    start = time.monotonic()
+
+    with pytest.raises(JobTimeout, match=r"experiment/llm-tune .*within 0.3s"):
+        KatibTuner(fake_k8s.api_client(), poll_interval_s=POLL_S).tune(request(timeout_s=0.3))
+
+    assert time.monotonic() - start < 3.0
+    assert ("experiments", "default", "llm-tune") in fake_k8s.deleted

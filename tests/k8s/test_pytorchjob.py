@@ -1,0 +1,224 @@
+"""PyTorchJobTrainer against the fake API server (schemas: the Training Operator's CRD)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from fakes.fake_k8s import FakeK8s
+
+from kubellm.jobs import JobFailed, JobTimeout, TrainJob
+from kubellm.k8s.pytorchjob import PyTorchJobTrainer, master_selector, pytorchjob_manifest
+
+from .conftest import POLL_S
+
+CREATED = {"type": "Created", "status": "True", "reason": "PyTorchJobCreated"}
+RUNNING = {"conditions": [CREATED, {"type": "Running", "status": "True"}]}
+SUCCEEDED = {
+    "conditions": [
+        CREATED,
+        {"type": "Running", "status": "False"},
+        {
+            "type": "Succeeded",
+            "status": "True",
+            "reason": "PyTorchJobSucceeded",
+            "message": "PyTorchJob default/llm-train successfully completed.",
+        },
+    ],
+    "replicaStatuses": {"Master": {"succeeded": 1}},
+}
+FAILED = {
+    "conditions": [
+        CREATED,
+        {"type": "Running", "status": "False"},
+        {
+            "type": "Failed",
+            "status": "True",
+            "reason": "PyTorchJobFailed",
+            "message": "PyTorchJob default/llm-train is failed because 1 Master replica(s) failed.",
+        },
+    ],
+    "replicaStatuses": {"Master": {"failed": 1}},
+}
+LOG = "step=10 loss=2.5\nloss=2.0\neval_loss=1.75\nnot a metric\n"
+
+
+def job(**overrides: Any) -> TrainJob:
+    base: dict[str, Any] = {
+        "name": "llm-train",
+        "image": "ghcr.io/example/kubellm-trainer:test",
+        "train_args": ["--config", "/workspace/run/train.json", "--set", "learning_rate=0.003"],
+        "timeout_s": 10.0,
+    }
+    return TrainJob(**{**base, **overrides})
+
+
+def add_master_pod(fake: FakeK8s, name: str = "llm-train", log: str = LOG) -> None:
+    fake.add_pod(
+        "default",
+        f"{name}-master-0",
+        {
+            "training.kubeflow.org/job-name": name,
+            "training.kubeflow.org/replica-type": "master",
+            "training.kubeflow.org/replica-index": "0",
+            "training.kubeflow.org/job-role": "master",
+        },
+        log=log,
+    )
+
+
+@dataclass
+class BuildCase:
+    name: str
+    job: TrainJob
+    workers: int | None
+    gpus: str | None
+    workspace: bool
+    env: dict[str, str] = field(default_factory=dict)
+
+
+BUILD_CASES = [
+    BuildCase("single-node-cpu", job(), workers=None, gpus=None, workspace=False),
+    BuildCase(
+        "multi-node-gpu-pvc",
+        job(
+            nnodes=3,
+            nproc_per_node=8,
+            gpus_per_node=8,
+            workspace_pvc="ws",
+            env={"NCCL_DEBUG": "INFO"},
+        ),
+        workers=2,
+        gpus="8",
+        workspace=True,
+        env={"NCCL_DEBUG": "INFO"},
+    ),
+    BuildCase(
+        "preflight-module",
+        job(module="kubellm.preflight.fabric", nnodes=2, train_args=["--min-busbw", "10"]),
+        workers=1,
+        gpus=None,
+        workspace=False,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", BUILD_CASES, ids=lambda c: c.name)
+def test_manifest_shape_and_schema(case: BuildCase, fake_k8s: FakeK8s) -> None:
+    body = pytorchjob_manifest(case.job)
+    assert fake_k8s.validate("pytorchjobs", body) == []
+    specs = body["spec"]["pytorchReplicaSpecs"]
+    assert body["spec"]["nprocPerNode"] == str(case.job.nproc_per_node)
+    assert specs["Master"]["replicas"] == 1
+    assert specs.get("Worker", {}).get("replicas") == case.workers
+    for rspec in specs.values():
+        assert rspec["restartPolicy"] == "ExitCode"
+        pod = rspec["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["containers"]
+        assert container["name"] == "pytorch"
+        assert container["image"] == case.job.image
+        assert [container["command"][0], *container["args"]] == [
+            "torchrun",
+            "-m",
+            case.job.module,
+            *case.job.train_args,
+        ]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert case.env.items() <= env.items()
+        assert container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") == case.gpus
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        if case.workspace:
+            assert claims[mounts["/workspace"]] == case.job.workspace_pvc
+        else:
+            assert "/workspace" not in mounts and not claims
+
+
+def test_manifest_needs_an_image() -> None:
+    with pytest.raises(ValueError, match="image is required"):
+        pytorchjob_manifest(job(image=""))
+
+
+def test_master_selector_uses_operator_labels() -> None:
+    assert master_selector("j") == (
+        "training.kubeflow.org/job-name=j,training.kubeflow.org/replica-type=master"
+    )
+
+
+def test_success_returns_master_logs_and_metrics(
+    fake_k8s: FakeK8s, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_k8s.script_status("pytorchjobs", "llm-train", [RUNNING, RUNNING, SUCCEEDED])
+    add_master_pod(fake_k8s)
+    add_master_pod(fake_k8s, name="other-job", log="eval_loss=9\n")  # must not be picked
+
+    result = PyTorchJobTrainer(fake_k8s.api_client(), poll_interval_s=POLL_S).run(job())
+
+    assert result.name == "llm-train"
+    assert result.logs == LOG
+    assert result.metrics == {"step": 10.0, "loss": 2.0, "eval_loss": 1.75}
+    assert fake_k8s.errors == []
+    (created,) = fake_k8s.created("pytorchjobs")
+    assert created["metadata"]["name"] == "llm-train"
+    out = capsys.readouterr().out
+    assert "pytorchjob/llm-train: Running" in out and "pytorchjob/llm-train: Succeeded" in out
+    assert out.count("pytorchjob/llm-train: Running") == 1  # a line per change, not per poll
+
+
+def test_success_without_master_pod_is_an_error(fake_k8s: FakeK8s) -> None:
+    fake_k8s.script_status("pytorchjobs", "llm-train", [SUCCEEDED])
+    with pytest.raises(JobFailed, match="master pod's log could not be read"):
+        PyTorchJobTrainer(fake_k8s.api_client(), poll_interval_s=POLL_S).run(job())
+
+
+def test_failed_job_raises_with_reason_and_log_tail(fake_k8s: FakeK8s) -> None:
+    fake_k8s.script_status("pytorchjobs", "llm-train", [RUNNING, FAILED])
+    add_master_pod(fake_k8s, log="loading\nRuntimeError: CUDA out of memory\n")
+
+    with pytest.raises(JobFailed) as info:
+        PyTorchJobTrainer(fake_k8s.api_client(), poll_interval_s=POLL_S).run(job())
+
+    assert not isinstance(info.value, JobTimeout)
+    msg = str(info.value)
+    assert "PyTorchJobFailed" in msg and "1 Master replica(s) failed" in msg
+    assert "CUDA out of memory" in msg
+    assert fake_k8s.errors == []
+
+
+def test_timeout_deletes_the_job(fake_k8s: FakeK8s) -> None:
+    fake_k8s.script_status("pytorchjobs", "llm-train", [RUNNING])
+    start = time.monotonic()
+
+    with pytest.raises(JobTimeout, match=r"pytorchjob/llm-train .*within 0.3s.*Running"):
+        PyTorchJobTrainer(fake_k8s.api_client(), poll_interval_s=POLL_S).run(job(timeout_s=0.3))
+
+    assert time.monotonic() - start < 3.0
+    assert ("pytorchjobs", "default", "llm-train") in fake_k8s.deleted
+    assert fake_k8s.get_object("pytorchjobs", "llm-train") is None
+
+
+def test_transient_api_errors_while_polling_are_retried(fake_k8s: FakeK8s) -> None:
+    fake_k8s.script_status("pytorchjobs", "llm-train", [RUNNING, SUCCEEDED])
+    fake_k8s.fail("GET", "/pytorchjobs/llm-train", 503, times=2)
+    add_master_pod(fake_k8s)
+
+    result = PyTorchJobTrainer(fake_k8s.api_client(), poll_interval_s=POLL_S).run(job())
+
+    assert result.metrics["eval_loss"] == 1.75
+
+
+def test_rejected_create_is_a_job_failure(fake_k8s: FakeK8s) -> None:
+    fake_k8s.script_status("pytorchjobs", "llm-train", [SUCCEEDED])
+    add_master_pod(fake_k8s)
+    trainer = PyTorchJobTrainer(fake_k8s.api_client(), poll_interval_s=POLL_S)
+    trainer.run(job())
+
+    with pytest.raises(JobFailed, match=r"HTTP 409.*already exists"):
+        trainer.run(job())
