@@ -13,6 +13,7 @@ def preflight(
     seed: int,
     data_source: str,
     text_field: str,
+    mask_prompt: bool,
     num_records: int,
     val_fraction: float,
     vocab_size: int,

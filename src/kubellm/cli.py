@@ -108,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 # -- compile -----------------------------------------------------------------------------
 
 
-def compile_pipelines(folder: str | Path) -> list[Path]:
-    """Compile every pipelines/*.py that defines a `pipeline` to the .yaml beside it."""
+def compile_pipelines(folder: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Compile every pipelines/*.py that defines a `pipeline` to a .yaml beside it (or in
+    `out_dir`)."""
     from kfp import compiler
 
     written = []
@@ -120,7 +121,7 @@ def compile_pipelines(folder: str | Path) -> list[Path]:
         spec.loader.exec_module(module)
         if not hasattr(module, "pipeline"):
             continue
-        out = src.with_suffix(".yaml")
+        out = Path(out_dir or src.parent) / f"{src.stem}.yaml"
         compiler.Compiler().compile(module.pipeline, str(out))
         written.append(out)
     return written
@@ -190,6 +191,7 @@ def _prepare(out_dir: str, overrides: dict[str, Any]) -> int:
         PrepareParams(
             source=cfg.data_source,
             text_field=cfg.text_field,
+            mask_prompt=cfg.mask_prompt,
             num_records=cfg.num_records,
             seed=cfg.seed,
             val_fraction=cfg.val_fraction,

@@ -60,7 +60,10 @@ class TrainConfig(_Strict):
     eval_batches: int = Field(8, ge=1, description="Validation batches at the end of training.")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
     save_model: bool = Field(True, description="Export the model (tuning trials skip it).")
-    model: ModelConfig = Field(default_factory=lambda: ModelConfig())  # type: ignore[call-arg]
+    model: ModelConfig = Field(
+        default_factory=lambda: ModelConfig(),  # type: ignore[call-arg]
+        description="Shape of the from-config model.",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto picks nccl on GPUs, gloo on CPU."
     )
@@ -80,6 +83,9 @@ class PipelineConfig(_Strict):
         description="'synthetic' (built-in arithmetic Q/A) or a path/glob of JSONL files.",
     )
     text_field: str = Field("text", min_length=1, description="JSONL field holding the text.")
+    mask_prompt: bool = Field(
+        True, description="Train on completions only (records with prompt/completion fields)."
+    )
     num_records: int = Field(20000, ge=100, le=10_000_000, description="Synthetic records.")
     val_fraction: float = Field(0.1, gt=0, lt=0.5, description="Share of records held out.")
     vocab_size: int = Field(512, ge=64, le=262_144, description="BPE vocabulary size.")
@@ -214,11 +220,12 @@ def parse_overrides(pairs: list[str], model: type[BaseModel] = PipelineConfig) -
         if key not in model.model_fields:
             allowed = ", ".join(model.model_fields)
             raise ConfigError(f"unknown parameter '{key}'; allowed parameters: {allowed}")
+        if model.model_fields[key].annotation is str:  # text is text: `--set model_name=123`
+            out[key] = raw
+            continue
         try:
             value: Any = json.loads(raw)
         except json.JSONDecodeError:
-            value = raw
-        if isinstance(value, (dict, list)) and model.model_fields[key].annotation is str:
             value = raw
         out[key] = value
     return out

@@ -53,6 +53,7 @@ class PrepareParams:
     max_chars: int = 100_000
     shard_rows: int = 65_536
     on_error: str = "skip"  # or "fail"
+    mask_prompt: bool = True  # records with prompt/completion: loss on the completion only
 
 
 @dataclass
@@ -94,7 +95,10 @@ def _read_source(p: PrepareParams, counts: Counts) -> Iterator[dict[str, Any]]:
                 if not isinstance(rec, dict) or not isinstance(rec.get(p.text_field), str):
                     counts.read += 1
                     counts.drop(
-                        "missing_text", f"{where}: no string field {p.text_field!r}", p.on_error, True
+                        "missing_text",
+                        f"{where}: no string field {p.text_field!r}",
+                        p.on_error,
+                        True,
                     )
                     continue
                 yield {**rec, "text": rec[p.text_field]}
@@ -112,27 +116,73 @@ def is_validation(text: str, val_fraction: float) -> bool:
     return (h % 1_000_000) < val_fraction * 1_000_000
 
 
-def _pack(token_lists: Iterable[list[int]], eos: int, seq_len: int) -> tuple[list[list[int]], int]:
-    """Concatenate with EOS separators and chunk; returns sequences and the cropped tail."""
+@dataclass
+class Packed:
+    rows: list[list[int]]
+    masks: list[list[int]] | None
+    cropped: int
+
+
+def _pack(docs: Iterable[tuple[list[int], list[int]]], eos: int, seq_len: int) -> Packed:
+    """Concatenate (ids, loss mask) documents with EOS separators and chunk to seq_len.
+
+    The mask is 1 where the token is a training target (the EOS that ends a document is
+    one: the model must learn to stop). All ones means no mask column is written.
+    """
     flat: list[int] = []
-    for ids in token_lists:
+    mask: list[int] = []
+    for ids, m in docs:
         flat.extend(ids)
         flat.append(eos)
+        mask.extend(m)
+        mask.append(1)
     n = len(flat) // seq_len
-    return [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)], len(flat) - n * seq_len
+    rows = [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)]
+    masks = None if all(mask) else [mask[i * seq_len : (i + 1) * seq_len] for i in range(n)]
+    return Packed(rows, masks, len(flat) - n * seq_len)
 
 
-def _write_shards(out: Path, rows: list[list[int]], shard_rows: int) -> list[dict[str, Any]]:
+def _write_shards(out: Path, packed: Packed, shard_rows: int) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     shards = []
+    rows = packed.rows
     for i in range(0, max(len(rows), 1), shard_rows):
         chunk = rows[i : i + shard_rows]
-        table = pa.table({"input_ids": pa.array(chunk, type=pa.list_(pa.int32()))})
+        columns = {"input_ids": pa.array(chunk, type=pa.list_(pa.int32()))}
+        if packed.masks is not None:
+            columns["loss_mask"] = pa.array(packed.masks[i : i + shard_rows], pa.list_(pa.int8()))
+        table = pa.table(columns)
         path = out / f"shard-{i // shard_rows:05d}.parquet"
         pq.write_table(table, path, compression="zstd")
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         shards.append({"name": f"{out.name}/{path.name}", "rows": len(chunk), "sha256": digest})
     return shards
+
+
+def _tokenize(
+    tokenizer: Any, records: list[dict[str, str]], mask_prompt: bool
+) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss mask) per record, batched through the fast tokenizer.
+
+    Prompt/completion records are encoded in two parts when the prompt is masked, so the
+    boundary is exact; plain text is one part, all targets.
+    """
+    backend = tokenizer.backend_tokenizer
+    split = [mask_prompt and "prompt" in r and "completion" in r for r in records]
+    whole = backend.encode_batch([r["text"] for r, s in zip(records, split, strict=True) if not s])
+    parts = [r for r, s in zip(records, split, strict=True) if s]
+    prompts = backend.encode_batch([r["prompt"] for r in parts])
+    answers = backend.encode_batch([r["completion"] for r in parts])
+    out: list[tuple[list[int], list[int]]] = []
+    it_whole, it_p, it_a = iter(whole), iter(prompts), iter(answers)
+    for s in split:
+        if s:
+            p, a = next(it_p).ids, next(it_a).ids
+            out.append((p + a, [0] * len(p) + [1] * len(a)))
+        else:
+            ids = next(it_whole).ids
+            out.append((ids, [1] * len(ids)))
+    return out
 
 
 def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
@@ -143,7 +193,7 @@ def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
     counts = Counts()
     seen: set[bytes] = set()
     source_hash = hashlib.sha256()
-    train: list[str] = []
+    train: list[dict[str, str]] = []
     val: list[dict[str, str]] = []
     for rec in _read_source(params, counts):
         counts.read += 1
@@ -168,7 +218,9 @@ def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
         if is_validation(text, params.val_fraction):
             val.append({"text": text, **{k: rec[k] for k in ("prompt", "completion") if k in rec}})
         else:
-            train.append(text)
+            train.append(
+                {"text": text, **{k: rec[k] for k in ("prompt", "completion") if k in rec}}
+            )
     if not train or not val:
         reasons = ", ".join(f"{k}={v}" for k, v in counts.dropped.most_common()) or "none"
         raise DataError(
@@ -177,7 +229,7 @@ def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
         )
     print(f"prepare: read={counts.read} kept={counts.kept} train={len(train)} val={len(val)}")
 
-    tokenizer = train_bpe(train, params.vocab_size)
+    tokenizer = train_bpe((r["text"] for r in train), params.vocab_size)
     tokenizer.save_pretrained(out / "tokenizer")
     eos = tokenizer.eos_token_id
     assert eos is not None
@@ -185,16 +237,19 @@ def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
     token_counts: dict[str, int] = {}
     cropped: dict[str, int] = {}
     shards: list[dict[str, Any]] = []
-    for split, texts in (("train", train), ("val", [v["text"] for v in val])):
-        ids = [e.ids for e in tokenizer.backend_tokenizer.encode_batch(texts)]
-        token_counts[split] = sum(len(x) + 1 for x in ids)
-        rows, cropped[split] = _pack(ids, eos, params.seq_len)
-        if not rows:
+    masked_docs = 0
+    for split, records in (("train", train), ("val", val)):
+        docs = _tokenize(tokenizer, records, params.mask_prompt)
+        masked_docs += sum(not all(m) for _, m in docs)
+        token_counts[split] = sum(len(ids) + 1 for ids, _ in docs)
+        packed = _pack(docs, eos, params.seq_len)
+        cropped[split] = packed.cropped
+        if not packed.rows:
             raise DataError(
                 f"{split} split has {token_counts[split]} tokens, fewer than one sequence "
                 f"of seq_len={params.seq_len}"
             )
-        shards += _write_shards(out / split, rows, params.shard_rows)
+        shards += _write_shards(out / split, packed, params.shard_rows)
 
     examples = [v for v in val if "prompt" in v and "completion" in v]
     (out / "eval").mkdir(exist_ok=True)
@@ -220,6 +275,7 @@ def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
         },
         "tokens": {**token_counts, "cropped": cropped},
         "seq_len": params.seq_len,
+        "loss_masked_documents": masked_docs,
         "shards": shards,
         "tokenizer": {"kind": "byte-level-bpe", "vocab_size": len(tokenizer), "eos_id": eos},
         "params": vars(params),

@@ -14,6 +14,7 @@ def run_prepare(ctx: StageContext, out_dir: str | Path) -> dict[str, Any]:
     params = PrepareParams(
         source=cfg.data_source,
         text_field=cfg.text_field,
+        mask_prompt=cfg.mask_prompt,
         num_records=cfg.num_records,
         seed=cfg.seed,
         val_fraction=cfg.val_fraction,

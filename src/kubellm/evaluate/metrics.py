@@ -17,9 +17,9 @@ from kubellm.train.loop import load_split
 def heldout_loss(model: Any, dataset_dir: str | Path, batch_size: int = 64) -> float:
     val = load_split(str(dataset_dir), "val")
     total, count = 0.0, 0
-    for start in range(0, len(val), batch_size):
-        x = val[start : start + batch_size]
-        total += float(model(input_ids=x, labels=x).loss) * len(x)
+    for start in range(0, val.shape[1], batch_size):
+        x, y = val[:, start : start + batch_size]
+        total += float(model(input_ids=x, labels=y).loss) * len(x)
         count += len(x)
     return total / max(count, 1)
 

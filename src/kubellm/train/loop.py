@@ -66,13 +66,23 @@ def check(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
 
 
 def load_split(dataset_dir: str, split: str) -> torch.Tensor:
+    """Labels-ready rows: shape (2, N, seq_len), input ids and labels (-100 where masked)."""
     files = sorted((Path(dataset_dir) / split).glob("*.parquet"))
     if not files:
         raise DataError(f"{dataset_dir}/{split} has no Parquet shards")
     rows: list[list[int]] = []
+    masks: list[list[int]] = []
     for f in files:
-        rows += pq.read_table(f, columns=["input_ids"]).column("input_ids").to_pylist()
-    return torch.tensor(rows, dtype=torch.long)
+        table = pq.read_table(f)
+        ids = table.column("input_ids").to_pylist()
+        rows += ids
+        if "loss_mask" in table.column_names:
+            masks += table.column("loss_mask").to_pylist()
+        else:
+            masks += [[1] * len(r) for r in ids]
+    x = torch.tensor(rows, dtype=torch.long)
+    labels = x.masked_fill(torch.tensor(masks, dtype=torch.bool).logical_not(), -100)
+    return torch.stack([x, labels])
 
 
 def batch_indices(n: int, step: int, batch: int, seed: int) -> torch.Tensor:
@@ -172,19 +182,19 @@ def _train(
     if rank == 0:
         print(
             f"train: params={n_params} world_size={world} device={device.type} "
-            f"sequences={len(data)} seq_len={manifest['seq_len']} steps={cfg.steps}",
+            f"sequences={data.shape[1]} seq_len={manifest['seq_len']} steps={cfg.steps}",
             flush=True,
         )
     per_rank = cfg.batch_size // world
-    tokens_per_step = cfg.batch_size * data.shape[1]
+    tokens_per_step = cfg.batch_size * data.shape[2]
     last: dict[str, float] = {}
     window_t = time.perf_counter()
     window_steps = 0
     ddp.train()
     for step in range(cfg.steps):
-        idx = batch_indices(len(data), step, cfg.batch_size, cfg.seed)
-        x = data[idx[rank * per_rank : (rank + 1) * per_rank]].to(device)
-        loss = ddp(input_ids=x, labels=x).loss
+        idx = batch_indices(data.shape[1], step, cfg.batch_size, cfg.seed)
+        x, y = data[:, idx[rank * per_rank : (rank + 1) * per_rank]].to(device)
+        loss = ddp(input_ids=x, labels=y).loss
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -236,10 +246,10 @@ def evaluate_loss(
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for b in range(max_batches):
         start = (b * world + rank) * per_rank
-        x = val[start : start + per_rank].to(device)
+        x, y = val[:, start : start + per_rank].to(device)
         if len(x) == 0:
             break
-        loss = model(input_ids=x, labels=x).loss
+        loss = model(input_ids=x, labels=y).loss
         total += torch.tensor([float(loss) * len(x), len(x)], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(total)

@@ -74,10 +74,22 @@ class TorchrunTrainer(Trainer):
         reader.join(timeout=5)
         logs = "".join(lines)
         if proc.returncode != 0:
-            errors = [ln.strip() for ln in tail if "error" in ln.lower()]
-            reason = errors[-1] if errors else (tail[-1].strip() if tail else "no output")
+            reason = _reason(lines)
             raise JobFailed(f"{job.name}: exit code {proc.returncode}: {reason}")
         return JobResult(name=job.name, logs=logs, metrics=parse_metrics(logs))
+
+
+def _reason(lines: list[str]) -> str:
+    """The most telling line of a failed job: our own `error:` line, else the exception."""
+    stripped = [ln.strip() for ln in lines if ln.strip()]
+    for prefix in ("error:", "Error:"):
+        ours = [ln for ln in stripped if ln.startswith(prefix)]
+        if ours:
+            return ours[-1]
+    exc = [ln for ln in stripped if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
+    if exc:
+        return exc[-1]
+    return stripped[-1] if stripped else "no output"
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:

@@ -1,0 +1,259 @@
+"""Each KFP component, run by kfp.local (SubprocessRunner, this environment), in DAG order.
+
+The chain is module-scoped so each stage runs once; every test asserts its own component's
+outputs. Small model and data, platform=local, MLflow on sqlite in a temp dir.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import requests
+from kfp import dsl, local
+from kfp.dsl import Dataset, Model
+from mlflow.tracking import MlflowClient
+
+from components.deploy import deploy
+from components.evaluate import evaluate
+from components.preflight import preflight
+from components.prepare_data import prepare_data
+from components.register import register
+from components.smoke_test import smoke_test
+from components.summarize import summarize
+from components.train import train
+from components.tune import tune
+from kubellm.config import PipelineConfig
+from kubellm.serve.local import LocalModelServer
+
+pytestmark = pytest.mark.slow
+RUN = "component-test"
+
+
+@dataclass
+class Out:
+    """A component's outputs as kfp.local wrote them: parameters and artifacts."""
+
+    output: Any
+    outputs: dict[str, Any]
+
+
+def run(component: Any, artifacts: dict[str, tuple[Any, type]] | None = None, **params: Any) -> Out:
+    """Run one component under kfp.local, feeding artifacts through dsl.importer.
+
+    kfp.local takes no artifact arguments on a bare component call, so each call is a
+    two-node pipeline: importers for the inputs, then the component itself.
+    """
+    name = f"t-{component.name.replace('_', '-')}-{next(_COUNTER)}"
+
+    @dsl.pipeline(name=name)
+    def wrapper():  # no annotations: KFP reads them (and this module has string annotations)
+        imported = {
+            key: dsl.importer(artifact_uri=str(art.path), artifact_class=cls, reimport=True).output
+            for key, (art, cls) in (artifacts or {}).items()
+        }
+        component(**params, **imported)
+
+    wrapper()
+    [run_dir] = sorted(
+        Path(local.config.LocalExecutionConfig.instance.pipeline_root).glob(f"{name}-*")
+    )
+    executor = json.loads(
+        (run_dir / component.name.replace("_", "-") / "executor_output.json").read_text()
+    )
+    outs: dict[str, Any] = {}
+    for key, entry in executor.get("artifacts", {}).items():
+        art = entry["artifacts"][0]
+        outs[key] = SimpleNamespace(path=art["uri"], metadata=art.get("metadata", {}))
+    values = executor.get("parameterValues", {})
+    outs.update(values)
+    return Out(values.get("Output"), outs)
+
+
+_COUNTER = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def params(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    runs = tmp_path_factory.mktemp("runs")
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(runs / "kfp"),
+        raise_on_error=True,
+    )
+    values = PipelineConfig(
+        platform="local",
+        runs_dir=str(runs),
+        num_records=2000,
+        vocab_size=300,
+        seq_len=16,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        tune_trials=2,
+        tune_steps=8,
+        train_steps=40,
+        batch_size=8,
+        gate_min_accuracy=0.0,
+        model_name="tiny-test",
+    ).model_dump()
+    yield values
+    LocalModelServer(runs / "servers").release(RUN)  # even when a test failed midway
+
+
+@pytest.fixture(scope="module")
+def pre(params: dict[str, Any]) -> Any:
+    return preflight(**params, kfp_run_id=RUN)
+
+
+@pytest.fixture(scope="module")
+def ctx(pre: Any) -> dict[str, str]:
+    return {
+        "config": pre.outputs["config"],
+        "parent_run_id": pre.outputs["parent_run_id"],
+        "kfp_run_id": RUN,
+    }
+
+
+@pytest.fixture(scope="module")
+def mlflow(params: dict[str, Any]) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{params['runs_dir']}/mlflow.db")
+
+
+@pytest.fixture(scope="module")
+def data(ctx: dict[str, str]) -> Any:
+    return run(prepare_data, **ctx)
+
+
+@pytest.fixture(scope="module")
+def tuned(ctx: dict[str, str], data: Any) -> Any:
+    return run(tune, {"dataset": (data.outputs["dataset"], Dataset)}, **ctx)
+
+
+@pytest.fixture(scope="module")
+def trained(ctx: dict[str, str], data: Any, tuned: Any) -> Any:
+    return run(train, {"dataset": (data.outputs["dataset"], Dataset)}, **ctx, hparams=tuned.output)
+
+
+@pytest.fixture(scope="module")
+def scored(ctx: dict[str, str], data: Any, trained: Any) -> Any:
+    inputs = {
+        "model": (trained.outputs["model"], Model),
+        "dataset": (data.outputs["dataset"], Dataset),
+    }
+    return run(evaluate, inputs, **ctx)
+
+
+@pytest.fixture(scope="module")
+def version(ctx: dict[str, str], trained: Any) -> Any:
+    return run(register, {"model": (trained.outputs["model"], Model)}, **ctx)
+
+
+@pytest.fixture(scope="module")
+def served(ctx: dict[str, str], trained: Any, version: Any) -> Any:
+    return run(deploy, {"model": (trained.outputs["model"], Model)}, **ctx, version=version.output)
+
+
+def test_preflight_validates_and_opens_the_lineage(pre: Any, mlflow: MlflowClient) -> None:
+    config = json.loads(pre.outputs["config"])
+    assert config["platform"] == "local"
+    assert config["mlflow_tracking_uri"].startswith("sqlite:////")
+    parent = mlflow.get_run(pre.outputs["parent_run_id"])
+    assert parent.data.tags["kubellm.kfp_run_id"] == RUN
+    assert parent.data.params["train_steps"] == "40"
+
+
+def test_preflight_rejects_a_bad_parameter(params: dict[str, Any]) -> None:
+    with pytest.raises(RuntimeError):
+        preflight(**{**params, "batch_size": 7}, kfp_run_id=RUN)
+
+
+def test_prepare_data_writes_the_dataset_contract(data: Any) -> None:
+    root = Path(data.outputs["dataset"].path)
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["records"]["read"] == 2000
+    assert (root / "train" / "shard-00000.parquet").is_file()
+    assert data.outputs["dataset"].metadata["source_fingerprint"] == manifest["source_fingerprint"]
+    assert data.outputs["stats"].metadata["records_read"] == 2000
+
+
+def test_tune_returns_the_best_trial_params(tuned: Any, mlflow: MlflowClient, ctx: dict) -> None:
+    best = json.loads(tuned.output)
+    assert set(best) == {"learning_rate", "warmup_steps"}
+    assert 1e-3 <= best["learning_rate"] <= 4e-3
+    trials = mlflow.search_runs(
+        [mlflow.get_run(ctx["parent_run_id"]).info.experiment_id],
+        filter_string="tags.`kubellm.stage` LIKE 'trial-%'",
+    )
+    assert len(trials) == 2
+
+
+def test_train_outputs_a_hugging_face_model(trained: Any) -> None:
+    model_dir = Path(trained.outputs["model"].path)
+    assert (model_dir / "model.safetensors").is_file()
+    assert (model_dir / "tokenizer.json").is_file()
+    assert trained.outputs["metrics"].metadata["train_loss"] > 0
+
+
+def test_evaluate_scores_and_decides(scored: Any) -> None:
+    assert scored.output == "promote"  # gate_min_accuracy=0 here
+    metrics = scored.outputs["metrics"].metadata
+    assert 0.0 <= metrics["exact_match"] <= 1.0 and metrics["perplexity"] > 1
+    predictions = json.loads(Path(scored.outputs["predictions"].path).read_text())
+    assert predictions and {"prompt", "completion", "prediction"} <= set(predictions[0])
+
+
+def test_register_creates_a_challenger_with_lineage(version: Any, mlflow: MlflowClient) -> None:
+    mv = mlflow.get_model_version_by_alias("tiny-test", "challenger")
+    assert str(mv.version) == version.output
+    assert mv.tags["kubellm.kfp_run_id"] == RUN
+    assert len(mv.tags["kubellm.data_fingerprint"]) == 64
+
+
+def test_deploy_serves_on_loopback(served: Any) -> None:
+    assert served.output.startswith("http://127.0.0.1:")
+    r = requests.get(f"{served.output}/v1/models/tiny-test", timeout=10)
+    assert r.json()["ready"] is True
+
+
+def test_smoke_test_promotes_to_champion(
+    ctx: dict[str, str], scored: Any, version: Any, served: Any, mlflow: MlflowClient
+) -> None:
+    task = run(
+        smoke_test,
+        {"predictions": (scored.outputs["predictions"], Dataset)},
+        **ctx,
+        endpoint=served.output,
+        version=version.output,
+    )
+    assert isinstance(task.output, str)
+    assert str(mlflow.get_model_version_by_alias("tiny-test", "champion").version) == version.output
+    assert "->" in Path(task.outputs["report"].path).read_text()
+
+
+def test_summarize_stops_the_server_and_closes_the_run(
+    params: dict[str, Any], served: Any, pre: Any, mlflow: MlflowClient
+) -> None:
+    task = run(
+        summarize,
+        platform="local",
+        mlflow_tracking_uri="",
+        runs_dir=params["runs_dir"],
+        experiment_name=params["experiment_name"],
+        model_name="tiny-test",
+        kfp_run_id=RUN,
+    )
+    text = Path(task.outputs["report"].path).read_text()
+    assert "held-out exact match" in text
+    with pytest.raises(requests.ConnectionError):
+        requests.get(served.output, timeout=5)
+    assert mlflow.get_run(pre.outputs["parent_run_id"]).info.status in {"FINISHED", "FAILED"}

@@ -1,0 +1,97 @@
+"""The compiled pipeline: fresh, parameters = PipelineConfig, the DAG of DESIGN.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kubellm.cli import compile_pipelines
+from kubellm.config import PipelineConfig
+
+REPO = Path(__file__).resolve().parents[2]
+YAML = REPO / "pipelines" / "llm_train.yaml"
+KFP_TYPES = {int: "NUMBER_INTEGER", float: "NUMBER_DOUBLE", str: "STRING", bool: "BOOLEAN"}
+
+
+@pytest.fixture(scope="module")
+def spec() -> dict[str, Any]:
+    # two documents: the pipeline spec, then the Kubernetes platform spec (kfp-kubernetes)
+    pipeline, platform = yaml.safe_load_all(YAML.read_text())
+    return {**pipeline, "platforms": platform["platforms"]}
+
+
+def test_committed_yaml_is_fresh(tmp_path: Path) -> None:
+    [fresh] = compile_pipelines(REPO / "pipelines", tmp_path)
+    assert fresh.read_text() == YAML.read_text(), (
+        "pipelines/llm_train.yaml is stale: run `kubellm compile` and commit it"
+    )
+
+
+def test_parameters_are_the_config_fields(spec: dict[str, Any]) -> None:
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert set(params) == set(PipelineConfig.model_fields)
+    for name, field in PipelineConfig.model_fields.items():
+        declared = params[name]
+        kind = field.annotation if field.annotation in KFP_TYPES else str
+        assert declared["parameterType"] == KFP_TYPES[kind], name
+        assert declared["defaultValue"] == field.default, name
+        assert declared.get("description"), f"{name} has no description in the YAML"
+    assert params["platform"]["defaultValue"] == "kubernetes"
+
+
+def test_no_secret_is_a_parameter(spec: dict[str, Any]) -> None:
+    for name in spec["root"]["inputDefinitions"]["parameters"]:
+        assert not any(w in name for w in ("password", "token", "secret", "key")), name
+
+
+def _tasks(spec: dict[str, Any], component: str) -> dict[str, Any]:
+    return dict(spec["components"][component]["dag"]["tasks"])
+
+
+def test_dag_shape(spec: dict[str, Any]) -> None:
+    root = spec["root"]["dag"]["tasks"]
+    assert root["summarize"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
+    body = _tasks(spec, "comp-exit-handler-1")
+    assert {"preflight", "prepare-data", "tune", "train", "evaluate"} <= set(body)
+    gate = next(t for t in body.values() if t.get("taskInfo", {}).get("name") == "gate")
+    assert "== 'promote'" in gate["triggerPolicy"]["condition"]
+    inside = _tasks(spec, gate["componentRef"]["name"])
+    assert set(inside) == {"register", "deploy", "smoke-test"}
+    assert inside["deploy"]["dependentTasks"] == ["register"]
+    assert "deploy" in inside["smoke-test"]["dependentTasks"]
+
+
+@pytest.mark.parametrize(
+    ("component", "output", "schema"),
+    [
+        ("comp-prepare-data", "dataset", "system.Dataset"),
+        ("comp-prepare-data", "stats", "system.Metrics"),
+        ("comp-train", "model", "system.Model"),
+        ("comp-evaluate", "metrics", "system.Metrics"),
+        ("comp-evaluate", "report", "system.Markdown"),
+        ("comp-smoke-test", "report", "system.Markdown"),
+        ("comp-summarize", "report", "system.Markdown"),
+    ],
+)
+def test_typed_artifacts(spec: dict[str, Any], component: str, output: str, schema: str) -> None:
+    artifacts = spec["components"][component]["outputDefinitions"]["artifacts"]
+    assert artifacts[output]["artifactType"]["schemaTitle"] == schema
+
+
+def test_steps_run_in_the_runtime_image_without_pip(spec: dict[str, Any]) -> None:
+    for name, executor in spec["deploymentSpec"]["executors"].items():
+        container = executor["container"]
+        assert container["image"].startswith("ghcr.io/kubellm/runtime:"), name
+        assert "pip install" not in " ".join(container["command"]), name
+
+
+def test_cluster_wiring_uses_kubernetes_objects_not_parameters(spec: dict[str, Any]) -> None:
+    executors = spec["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    train = executors["exec-train"]
+    assert train["pvcMount"][0]["mountPath"] == "/workspace"
+    assert train["configMapAsEnv"][0]["configMapName"] == "kubellm-config"
+    assert train["secretAsEnv"][0]["secretName"] == "mlflow-credentials"
+    assert train["secretAsEnv"][0].get("optional") is True

@@ -1,0 +1,57 @@
+"""The `kubellm` command: invalid input fails before any stage starts; help is useful."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kubellm.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ("train_steps=-1", ["train_steps", ">= 1"]),
+        ("nope=1", ["nope", "allowed parameters"]),
+    ],
+)
+def test_run_local_rejects_bad_parameters_before_any_stage(
+    override: str, names: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    # a real process: exactly what a user sees, and proof that nothing ran
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubellm.cli", "run", "--local", "--pipeline",
+         str(REPO / "pipelines" / "llm_train.yaml"), "--set", override],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for name in names:
+        assert name in lines[0]
+    assert not (tmp_path / "runs").exists(), "a stage started despite the invalid parameter"
+
+
+def test_run_local_missing_pipeline_is_a_clear_error(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--local", "--pipeline", "nope.yaml"]) == 2
+    assert "nope.yaml not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command", ["run", "compile", "submit", "prepare", "train", "evaluate", "serve"]
+)
+def test_each_command_has_help(command: str, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"kubellm {command}" in out and len(out.splitlines()) > 3

@@ -1,0 +1,77 @@
+"""PipelineConfig and TrainConfig: one clear line for a bad value, naming field and allowed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from kubellm.config import (
+    ConfigError,
+    PipelineConfig,
+    TrainConfig,
+    parse_overrides,
+    pipeline_config,
+    validate,
+)
+
+
+@dataclass
+class Case:
+    overrides: list[str]
+    fragments: list[str]
+
+
+BAD = [
+    Case(["train_steps=-1"], ["train_steps=-1", "allowed: int >= 1"]),
+    Case(["nope=1"], ["unknown parameter 'nope'", "allowed parameters:", "train_steps"]),
+    Case(["platform=slurm"], ["platform='slurm'", "'local', 'kubernetes'"]),
+    Case(["learning_rate=1"], ["learning_rate=1", "< 1"]),
+    Case(["model_name=Bad_Name"], ["model_name='Bad_Name'", "matching"]),
+    Case(["batch_size=63"], ["batch_size (63)", "divisible"]),
+    Case(["num_heads=3"], ["num_heads (3) must divide hidden_size (128)"]),
+    Case(["train_steps"], ["not key=value"]),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=lambda c: c.overrides[0])
+def test_bad_values_give_one_line_naming_the_field(case: Case) -> None:
+    with pytest.raises(ConfigError) as info:
+        pipeline_config(parse_overrides(case.overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    for fragment in case.fragments:
+        assert fragment in message
+
+
+def test_overrides_parse_as_json_and_keep_strings() -> None:
+    values = parse_overrides(["train_steps=7", "learning_rate=1e-3", "model_name=abc-1"])
+    assert values == {"train_steps": 7, "learning_rate": 1e-3, "model_name": "abc-1"}
+    cfg = pipeline_config(values, platform="local")
+    assert (cfg.train_steps, cfg.platform) == (7, "local")
+
+
+def test_resolved_local_paths_are_absolute(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = PipelineConfig(platform="local").resolved()
+    assert cfg.runs_dir == str(tmp_path / "runs")
+    assert cfg.mlflow_tracking_uri == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+
+
+def test_resolved_kubernetes_takes_tracking_uri_from_environment(monkeypatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert PipelineConfig().resolved().mlflow_tracking_uri == "http://mlflow.example:5000"
+
+
+def test_every_field_has_a_description() -> None:
+    for model in (PipelineConfig, TrainConfig):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def test_train_config_nested_error_names_the_path() -> None:
+    with pytest.raises(ConfigError, match=r"model\.num_heads|num_heads \(3\)"):
+        validate(
+            TrainConfig,
+            {"dataset_dir": "d", "output_dir": "o", "model": {"hidden_size": 64, "num_heads": 3}},
+        )

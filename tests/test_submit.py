@@ -1,0 +1,269 @@
+"""`kubellm submit` against a fake KFP API server that checks runs as the real one does."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kfp_server_api
+import pytest
+import requests
+import yaml
+
+from fakes.fake_kfp import API, FakeKfp
+from kubellm.cli import main
+
+PIPELINE = Path(__file__).parents[1] / "pipelines" / "llm_train.yaml"
+
+pytestmark = pytest.mark.filterwarnings("ignore:This client only works:FutureWarning")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_kfp_client(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No endpoint, experiment or namespace from this machine's environment or ~/.config/kfp."""
+    for var in (
+        "KFP_ENDPOINT",
+        "KF_PIPELINES_ENDPOINT",
+        "KF_PIPELINES_UI_ENDPOINT",
+        "KF_PIPELINES_DEFAULT_EXPERIMENT_NAME",
+        "KF_PIPELINES_OVERRIDE_EXPERIMENT_NAME",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(
+        "kfp.client.client.Client._LOCAL_KFP_CONTEXT", str(tmp_path / "kfp" / "context.json")
+    )
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeKfp]:
+    with FakeKfp() as server:
+        yield server
+
+
+def _submit(*args: str) -> int:
+    return main(["submit", str(PIPELINE), *args])
+
+
+# -- the CLI against the fake ------------------------------------------------------------
+
+
+def test_submit_sends_typed_overrides(fake: FakeKfp, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = _submit(
+        "--endpoint",
+        fake.url,
+        "--experiment",
+        "nightly",
+        "--run-name",
+        "kubellm-test-run",
+        "--set",
+        "train_steps=7",
+        "--set",
+        "gate_min_accuracy=0",
+        "--set",
+        "learning_rate=0.001",
+        "--set",
+        "model_name=tiny-1",
+    )
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert fake.errors == []
+
+    runs = fake.created_runs()
+    assert len(runs) == 1
+    run = runs[0]
+    params = run["runtime_config"]["parameters"]
+    # exactly the overrides given, nothing else (the pipeline's defaults stay on the server)
+    assert params == {
+        "train_steps": 7,
+        "gate_min_accuracy": 0.0,
+        "learning_rate": 0.001,
+        "model_name": "tiny-1",
+    }
+    # typed as the pipeline declares them: `0` on the command line is a double on the wire
+    assert type(params["gate_min_accuracy"]) is float
+    assert type(params["train_steps"]) is int
+    assert run["display_name"] == "kubellm-test-run"
+    spec = run["pipeline_spec"].get("pipeline_spec", run["pipeline_spec"])
+    assert spec["pipelineInfo"]["name"] == "kubellm-llm-train"
+
+    (experiment,) = fake.experiments.values()
+    assert experiment["display_name"] == "nightly"
+    assert run["experiment_id"] == experiment["experiment_id"]
+
+    (run_id,) = fake.runs
+    assert f"submitted run {run_id} (kubellm-test-run) to {fake.url}" in out
+    assert f"{fake.url}/#/runs/details/{run_id}" in out
+
+
+def test_submit_reuses_an_existing_experiment(fake: FakeKfp) -> None:
+    existing = fake.add_experiment("kubellm")
+    assert _submit("--endpoint", fake.url, "--set", "tune_trials=0") == 0  # default experiment
+    assert fake.errors == []
+    assert list(fake.experiments) == [existing["experiment_id"]]
+    assert not [r for r in fake.requests if r.method == "POST" and r.path == f"{API}/experiments"]
+    (run,) = fake.created_runs()
+    assert run["experiment_id"] == existing["experiment_id"]
+    assert run["display_name"].startswith("kubellm-")  # the timestamped default
+    assert run["runtime_config"]["parameters"] == {"tune_trials": 0}
+
+
+def test_submit_takes_the_endpoint_from_kfp_endpoint(
+    fake: FakeKfp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KFP_ENDPOINT", fake.url)
+    assert _submit("--run-name", "from-env") == 0
+    assert fake.errors == []
+    (run,) = fake.created_runs()
+    assert run["display_name"] == "from-env"
+    assert run["runtime_config"].get("parameters", {}) == {}
+
+
+def test_submit_to_a_profile_namespace_on_multi_user_kfp() -> None:
+    with FakeKfp(multi_user=True) as fake:
+        assert _submit("--endpoint", fake.url, "--namespace", "team-a") == 0
+        assert fake.errors == []
+        (experiment,) = fake.experiments.values()
+        assert experiment["namespace"] == "team-a"
+        lists = [r for r in fake.requests if r.method == "GET" and r.path == f"{API}/experiments"]
+        assert lists and all(r.query.get("namespace") == ["team-a"] for r in lists)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("train_steps=-1", "train_steps"),
+        ("learning_rate=1", "learning_rate"),
+        ("nope=1", "nope"),
+    ],
+)
+def test_bad_override_exits_2_and_sends_nothing(
+    fake: FakeKfp, capsys: pytest.CaptureFixture[str], override: str, named: str
+) -> None:
+    rc = _submit("--endpoint", fake.url, "--set", "train_steps=7", "--set", override)
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert fake.requests == []  # not even the health check: nothing reaches the server
+    assert err.startswith("kubellm: error: ")
+    assert err.count("\n") == 1, err  # one line
+    assert f"'{named}'" in err or f"{named}=" in err, err
+    assert "submitted run" not in out
+
+
+def test_missing_endpoint_exits_2_naming_kfp_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = _submit("--set", "train_steps=7")
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert "KFP_ENDPOINT" in err
+    assert err.count("\n") == 1, err
+
+
+# -- the fake's own checks (so a passing submit test means something) ----------------------
+
+
+def _compiled() -> tuple[dict[str, Any], dict[str, Any]]:
+    docs = list(yaml.safe_load_all(PIPELINE.read_text()))
+    platform = docs[1] if len(docs) > 1 else {}
+    return docs[0], platform
+
+
+@dataclass
+class Case:
+    name: str
+    parameters: dict[str, Any] = field(default_factory=dict)
+    change: dict[str, Any] = field(default_factory=dict)  # top-level fields of the run body
+    drop_from_spec: str = ""  # a top-level key removed from the pipeline spec
+    error: str = ""  # expected in the 400 message; empty: the run is accepted
+
+
+CASES = [
+    Case("valid", parameters={"train_steps": 7, "gate_min_accuracy": 0.5}),
+    Case("valid int for a double", parameters={"learning_rate": 1}),
+    Case(
+        "undeclared parameter",
+        parameters={"not_a_param": 1},
+        error="runtime_config.parameters.not_a_param: not an input parameter",
+    ),
+    Case(
+        "string for an integer",
+        parameters={"train_steps": "7"},
+        error="train_steps: NUMBER_INTEGER needs an integer",
+    ),
+    Case(
+        "fraction for an integer",
+        parameters={"train_steps": 7.5},
+        error="train_steps: NUMBER_INTEGER needs an integer",
+    ),
+    Case(
+        "bool for a double",
+        parameters={"learning_rate": True},
+        error="learning_rate: NUMBER_DOUBLE needs a number",
+    ),
+    Case(
+        "number for a string",
+        parameters={"model_name": 5},
+        error="model_name: STRING needs a string",
+    ),
+    Case("unknown experiment", change={"experiment_id": "nope"}, error="experiment nope not found"),
+    Case("no display name", change={"display_name": ""}, error="display_name: required"),
+    Case("unknown run field", change={"pipeline": "x"}, error="pipeline: unknown field"),
+    Case(
+        "spec without deploymentSpec",
+        drop_from_spec="deploymentSpec",
+        error="deploymentSpec.executors: required",
+    ),
+    Case(
+        "spec without pipelineInfo",
+        drop_from_spec="pipelineInfo",
+        error="pipelineInfo.name: required",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_fake_checks_run_creates(fake: FakeKfp, case: Case) -> None:
+    experiment = fake.add_experiment("direct")
+    spec, platform = _compiled()
+    spec = copy.deepcopy(spec)
+    if case.drop_from_spec:
+        del spec[case.drop_from_spec]
+    body: dict[str, Any] = {
+        "display_name": "direct-run",
+        "experiment_id": experiment["experiment_id"],
+        "pipeline_spec": {"pipeline_spec": spec, "platform_spec": platform},
+        "runtime_config": {"parameters": case.parameters},
+        **case.change,
+    }
+    resp = requests.post(f"{fake.url}{API}/runs", json=body, timeout=10)
+    if not case.error:
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["state"] == "PENDING"
+        assert resp.json()["run_id"] in fake.runs
+        assert fake.errors == []
+        return
+    assert resp.status_code == 400
+    assert case.error in resp.json()["message"]
+    assert fake.runs == {}
+    assert len(fake.errors) >= 1
+    assert any(case.error in e for e in fake.errors)
+
+
+def test_submit_of_a_pipeline_lacking_a_parameter_is_rejected(tmp_path: Path) -> None:
+    """A YAML compiled without a parameter the CLI knows about: the server refuses the run."""
+    spec, platform = _compiled()
+    del spec["root"]["inputDefinitions"]["parameters"]["train_steps"]
+    narrowed = tmp_path / "narrow.yaml"
+    narrowed.write_text(yaml.safe_dump_all([spec, platform], sort_keys=False))
+    with FakeKfp() as fake:
+        try:
+            rc = main(["submit", str(narrowed), "--endpoint", fake.url, "--set", "train_steps=7"])
+        except kfp_server_api.ApiException as err:  # today the client's error escapes main
+            assert err.status == 400
+            assert "train_steps: not an input parameter" in str(err.body)
+        else:
+            assert rc != 0
+        assert fake.runs == {}
+        assert len(fake.created_runs()) == 1
+        assert [e for e in fake.errors if "train_steps: not an input parameter" in e]

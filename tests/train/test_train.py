@@ -1,0 +1,126 @@
+"""The training entrypoint under real torchrun (2 processes, gloo) and the local trainer."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kubellm.config import TrainConfig
+from kubellm.data.prepare import PrepareParams, prepare
+from kubellm.jobs import JobFailed, JobTimeout, TrainJob
+from kubellm.train.loop import batch_indices, lr_factor
+from kubellm.train.torchrun import TorchrunTrainer
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ds")
+    prepare(PrepareParams(num_records=2000, vocab_size=300, seq_len=16), out)
+    return out
+
+
+def _job(tmp: Path, name: str, nproc: int = 2, timeout_s: float = 300, **values) -> TrainJob:
+    cfg = TrainConfig(
+        **{
+            "steps": 6,
+            "batch_size": 8,
+            "log_every": 2,
+            "eval_batches": 2,
+            "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+            **values,
+        }
+    )
+    path = tmp / f"{name}.json"
+    path.write_text(cfg.model_dump_json())
+    return TrainJob(name=name, train_args=["--config", str(path)], nproc_per_node=nproc,
+                    timeout_s=timeout_s)
+
+
+def test_ddp_run_prints_metrics_and_exports_a_loadable_model(dataset: Path, tmp_path: Path):
+    out = tmp_path / "model"
+    result = TorchrunTrainer(echo=False).run(
+        _job(tmp_path, "ddp", dataset_dir=str(dataset), output_dir=str(out))
+    )
+    assert "world_size=2" in result.logs
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "eval_loss", "perplexity"):
+        assert key in result.metrics
+    assert result.metrics["step"] == 6
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    assert not list(out.glob("*.bin")), "weights must be safetensors"
+    model = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True)
+    assert model.config.num_hidden_layers == 1
+    assert not out.with_name("model.tmp").exists()
+
+
+def test_same_seed_same_result(dataset: Path, tmp_path: Path) -> None:
+    runs = [
+        TorchrunTrainer(echo=False).run(
+            _job(tmp_path, f"r{i}", dataset_dir=str(dataset), output_dir=str(tmp_path / f"m{i}"))
+        )
+        for i in range(2)
+    ]
+    assert runs[0].metrics["eval_loss"] == runs[1].metrics["eval_loss"]
+
+
+@pytest.mark.parametrize(
+    ("values", "fragment"),
+    [
+        ({"batch_size": 7}, "batch_size=7: must be divisible by WORLD_SIZE=2"),
+        ({"dataset_dir": "/nonexistent"}, "dataset_dir='/nonexistent'"),
+        ({"model": {"max_position_embeddings": 8}}, "max_position_embeddings=8"),
+    ],
+)
+def test_bad_config_fails_before_the_process_group(
+    dataset: Path, tmp_path: Path, values: dict, fragment: str
+) -> None:
+    base = {"dataset_dir": str(dataset), "output_dir": str(tmp_path / "m")}
+    if "model" in values:
+        values = {"model": {"hidden_size": 32, "num_heads": 2, "num_layers": 1,
+                            "intermediate_size": 64, **values["model"]}}
+    with pytest.raises(JobFailed, match="exit code") as info:
+        TorchrunTrainer(echo=False).run(_job(tmp_path, "bad", **{**base, **values}))
+    assert fragment in str(info.value)
+
+
+def test_unknown_override_names_the_field(dataset: Path, tmp_path: Path) -> None:
+    job = _job(tmp_path, "unk", nproc=1, dataset_dir=str(dataset), output_dir=str(tmp_path / "m"))
+    job = TrainJob(name="unk", train_args=[*job.train_args, "--set", "stratgy=ddp"])
+    with pytest.raises(JobFailed, match="unknown parameter 'stratgy'"):
+        TorchrunTrainer(echo=False).run(job)
+
+
+def test_timeout_kills_the_job(tmp_path: Path) -> None:
+    script = tmp_path / "sleepy.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    job = TrainJob(name="sleepy", module="sleepy", train_args=[], timeout_s=2)
+    sys.path.insert(0, str(tmp_path))
+    with pytest.raises(JobTimeout, match="still running after 2s"):
+        TorchrunTrainer(echo=False).run(
+            TrainJob(**{**job.__dict__, "env": {"PYTHONPATH": str(tmp_path)}})
+        )
+
+
+def test_multi_node_is_refused_locally() -> None:
+    with pytest.raises(JobFailed, match="multi-node training needs platform=kubernetes"):
+        TorchrunTrainer().run(TrainJob(name="x", train_args=[], nnodes=2))
+
+
+def test_batches_are_exact_and_cover_an_epoch() -> None:
+    seen = torch.cat([batch_indices(100, s, 10, seed=3) for s in range(10)])
+    assert sorted(seen.tolist()) == list(range(100))
+    assert torch.equal(batch_indices(100, 4, 10, 3), batch_indices(100, 4, 10, 3))
+    assert not torch.equal(batch_indices(100, 10, 10, 3), batch_indices(100, 0, 10, 3))
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    assert lr_factor(0, 10, 100) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(99, 10, 100) == pytest.approx(0.1, abs=0.01)
+    assert json.dumps(lr_factor(50, 10, 100))  # plain float
