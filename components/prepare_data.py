@@ -8,7 +8,11 @@ from kubellm import RUNTIME_IMAGE
 
 @dsl.component(base_image=RUNTIME_IMAGE, install_kfp_package=False)
 def prepare_data(
-    config: str, parent_run_id: str, kfp_run_id: str, dataset: Output[Dataset], stats: Output[Metrics]
+    config: str,
+    parent_run_id: str,
+    kfp_run_id: str,
+    dataset: Output[Dataset],
+    stats: Output[Metrics],
 ):
     from kubellm.data.stage import run_prepare
     from kubellm.stage import StageContext

@@ -9,7 +9,6 @@ The parameters are exactly kubellm.config.PipelineConfig's fields, with its defa
 descriptions; preflight validates them all before anything expensive starts.
 """
 
-
 import sys
 from pathlib import Path
 
@@ -17,17 +16,17 @@ from kfp import dsl, kubernetes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components.deploy import deploy  # noqa: E402
-from components.evaluate import evaluate  # noqa: E402
-from components.preflight import preflight  # noqa: E402
-from components.prepare_data import prepare_data  # noqa: E402
-from components.register import register  # noqa: E402
-from components.smoke_test import smoke_test  # noqa: E402
-from components.summarize import summarize  # noqa: E402
-from components.train import train  # noqa: E402
-from components.tune import tune  # noqa: E402
-from kubellm.config import PipelineConfig  # noqa: E402
-from kubellm.evaluate.stage import PROMOTE  # noqa: E402
+from components.deploy import deploy
+from components.evaluate import evaluate
+from components.preflight import preflight
+from components.prepare_data import prepare_data
+from components.register import register
+from components.smoke_test import smoke_test
+from components.summarize import summarize
+from components.train import train
+from components.tune import tune
+from kubellm.config import PipelineConfig
+from kubellm.evaluate.stage import PROMOTE
 
 PIPELINE_NAME = "kubellm-llm-train"
 SERVICE_ACCOUNT_NOTE = "Steps run as the kubellm-pipeline ServiceAccount (manifests/base)."
@@ -43,12 +42,17 @@ def _cluster_wiring(task: dsl.PipelineTask, workspace: bool = True) -> dsl.Pipel
     """Cluster-side settings: the tracking URI from a ConfigMap, optional credentials from a
     Secret (never a pipeline parameter), and the shared workspace volume."""
     kubernetes.use_config_map_as_env(
-        task, config_map_name=CONFIG_MAP, config_map_key_to_env={"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI"}
+        task,
+        config_map_name=CONFIG_MAP,
+        config_map_key_to_env={"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI"},
     )
     kubernetes.use_secret_as_env(
         task,
         secret_name=MLFLOW_SECRET,
-        secret_key_to_env={"username": "MLFLOW_TRACKING_USERNAME", "password": "MLFLOW_TRACKING_PASSWORD"},
+        secret_key_to_env={
+            "username": "MLFLOW_TRACKING_USERNAME",
+            "password": "MLFLOW_TRACKING_PASSWORD",
+        },
         optional=True,
     )
     if workspace:

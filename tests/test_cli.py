@@ -26,8 +26,17 @@ def test_run_local_rejects_bad_parameters_before_any_stage(
     monkeypatch.chdir(tmp_path)
     # a real process: exactly what a user sees, and proof that nothing ran
     proc = subprocess.run(
-        [sys.executable, "-m", "kubellm.cli", "run", "--local", "--pipeline",
-         str(REPO / "pipelines" / "llm_train.yaml"), "--set", override],
+        [
+            sys.executable,
+            "-m",
+            "kubellm.cli",
+            "run",
+            "--local",
+            "--pipeline",
+            str(REPO / "pipelines" / "llm_train.yaml"),
+            "--set",
+            override,
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,13 +1,13 @@
 """The `kubellm` command.
 
-    kubellm run --local                      # the whole pipeline on this machine (CPU)
-    kubellm run --local --set train_steps=200 --set tune_trials=0
-    kubellm compile                          # pipelines/*.py -> pipelines/*.yaml
-    kubellm submit pipelines/llm_train.yaml --endpoint http://localhost:8080
-    kubellm prepare runs/dataset             # one stage by hand
-    kubellm train --dataset runs/dataset --output runs/model --nproc 2
-    kubellm evaluate runs/model runs/dataset
-    kubellm serve runs/model --name kubellm-tiny --port 8080
+kubellm run --local                      # the whole pipeline on this machine (CPU)
+kubellm run --local --set train_steps=200 --set tune_trials=0
+kubellm compile                          # pipelines/*.py -> pipelines/*.yaml
+kubellm submit pipelines/llm_train.yaml --endpoint http://localhost:8080
+kubellm prepare runs/dataset             # one stage by hand
+kubellm train --dataset runs/dataset --output runs/model --nproc 2
+kubellm evaluate runs/model runs/dataset
+kubellm serve runs/model --name kubellm-tiny --port 8080
 """
 
 from __future__ import annotations

@@ -47,7 +47,9 @@ class ModelConfig(_Strict):
 class TrainConfig(_Strict):
     """Everything `python -m kubellm.train` needs; nothing launcher-specific."""
 
-    dataset_dir: str = Field(..., description="Dataset artifact directory (train/, val/, tokenizer/).")
+    dataset_dir: str = Field(
+        ..., description="Dataset artifact directory (train/, val/, tokenizer/)."
+    )
     output_dir: str = Field(..., description="Where the Hugging Face model directory is written.")
     steps: int = Field(300, ge=1, description="Optimizer steps.")
     batch_size: int = Field(32, ge=1, description="Global batch (sequences per step, all ranks).")

@@ -9,7 +9,7 @@ from kubellm.config import ModelConfig
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
     """A randomly initialised Llama whose vocabulary and special tokens match `tokenizer`."""
-    config = LlamaConfig(
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from fakes.fake_k8s import FakeK8s
 from fakes.k8s_schemas import crds_dir, missing_files, skip_reason
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from fakes.fake_k8s import FakeK8s
 
+from fakes.fake_k8s import FakeK8s
 from kubellm.jobs import JobFailed, TrainJob
 from kubellm.k8s.client import KubeClient, condition_is_true, failed_condition, status_summary
 from kubellm.k8s.pytorchjob import PYTORCHJOB, PyTorchJobTrainer, pytorchjob_manifest

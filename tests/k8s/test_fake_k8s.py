@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from fakes.fake_k8s import RESOURCES, FakeK8s, merge_patch, selector_matches
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from fakes.fake_k8s import RESOURCES, FakeK8s, merge_patch, selector_matches
 from kubellm.jobs import TrainJob
 from kubellm.k8s.inferenceservice import build_inferenceservice
 from kubellm.k8s.katib import build_experiment

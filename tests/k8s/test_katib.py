@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from fakes.fake_k8s import FakeK8s
 
+from fakes.fake_k8s import FakeK8s
 from kubellm.jobs import JobFailed, JobTimeout, TrainJob
 from kubellm.k8s.katib import KatibTuner, build_experiment
 from kubellm.tune.base import SearchParam, TuneRequest

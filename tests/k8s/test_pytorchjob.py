@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from fakes.fake_k8s import FakeK8s
 
+from fakes.fake_k8s import FakeK8s
 from kubellm.jobs import JobFailed, JobTimeout, TrainJob
 from kubellm.k8s.pytorchjob import PyTorchJobTrainer, master_selector, pytorchjob_manifest
 

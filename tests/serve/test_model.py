@@ -104,12 +104,6 @@ ORDER_CASES = [
 ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parse_instances: an instance without max_new_tokens gets the running value, not "
-    "the default 8, so the batch's max_new_tokens depends on instance order (remove this mark "
-    "once fixed)",
-)
 def test_parse_instances_max_new_tokens_does_not_depend_on_order() -> None:
     # An instance without max_new_tokens asks for the default (8); the batch takes the largest.
     assert [parse_instances(c.payload)[1] for c in ORDER_CASES] == [8, 8, 8, 8]

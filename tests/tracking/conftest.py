@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
-from serve.tiny_model import build_tiny_model
 
 from kubellm.config import PipelineConfig
+from serve.tiny_model import build_tiny_model
 from tracking.mlflow_server import MlflowServer, running_mlflow_server
 
 

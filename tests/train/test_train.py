@@ -37,8 +37,9 @@ def _job(tmp: Path, name: str, nproc: int = 2, timeout_s: float = 300, **values)
     )
     path = tmp / f"{name}.json"
     path.write_text(cfg.model_dump_json())
-    return TrainJob(name=name, train_args=["--config", str(path)], nproc_per_node=nproc,
-                    timeout_s=timeout_s)
+    return TrainJob(
+        name=name, train_args=["--config", str(path)], nproc_per_node=nproc, timeout_s=timeout_s
+    )
 
 
 def test_ddp_run_prints_metrics_and_exports_a_loadable_model(dataset: Path, tmp_path: Path):
@@ -82,8 +83,15 @@ def test_bad_config_fails_before_the_process_group(
 ) -> None:
     base = {"dataset_dir": str(dataset), "output_dir": str(tmp_path / "m")}
     if "model" in values:
-        values = {"model": {"hidden_size": 32, "num_heads": 2, "num_layers": 1,
-                            "intermediate_size": 64, **values["model"]}}
+        values = {
+            "model": {
+                "hidden_size": 32,
+                "num_heads": 2,
+                "num_layers": 1,
+                "intermediate_size": 64,
+                **values["model"],
+            }
+        }
     with pytest.raises(JobFailed, match="exit code") as info:
         TorchrunTrainer(echo=False).run(_job(tmp_path, "bad", **{**base, **values}))
     assert fragment in str(info.value)

@@ -47,4 +47,4 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    return tok
+    return tok  # type: ignore[no-any-return,return-value]

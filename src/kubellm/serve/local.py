@@ -6,6 +6,7 @@ kept in a state file under runs_dir; the pipeline's exit handler stops it by run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -81,7 +82,11 @@ class LocalModelServer(Server):
                 return endpoint
             time.sleep(self.poll_s)
         self.delete(request.name, request.run_tag)
-        raise JobTimeout(f"model server {request.name} not ready after {request.timeout_s:.0f}s")
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+        raise JobTimeout(
+            f"model server {request.name} not ready after {request.timeout_s:.0f}s: "
+            + " | ".join(tail)
+        )
 
     def delete(self, name: str, run_tag: str = "") -> None:
         path = self._state(name, run_tag)
@@ -105,9 +110,9 @@ class LocalModelServer(Server):
 def is_ready(endpoint: Endpoint) -> bool:
     try:
         r = requests.get(f"{endpoint.url}/v1/models/{endpoint.name}", timeout=2)
-    except requests.RequestException:
+        return r.status_code == 200 and bool(r.json().get("ready"))
+    except (requests.RequestException, ValueError):
         return False
-    return r.status_code == 200 and bool(r.json().get("ready"))
 
 
 def _stop(pid: int, grace_s: float = 10.0) -> None:
@@ -127,7 +132,5 @@ def _stop(pid: int, grace_s: float = 10.0) -> None:
         except ChildProcessError:
             pass
         time.sleep(0.1)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

@@ -16,6 +16,7 @@ from kserve.errors import InvalidInput
 from kubellm.generate import complete, load_model
 
 MAX_NEW_TOKENS = 256
+DEFAULT_NEW_TOKENS = 8
 MAX_INSTANCES = 256
 
 
@@ -55,16 +56,21 @@ def parse_instances(payload: Any) -> tuple[list[str], int]:
     if not instances or len(instances) > MAX_INSTANCES:
         raise InvalidInput(f'"instances" must hold 1 to {MAX_INSTANCES} items')
     prompts: list[str] = []
-    max_new = 8
+    max_new = 0  # one batch, one length: the largest any instance asks for
     for i, inst in enumerate(instances):
         if isinstance(inst, str):
             prompts.append(inst)
+            max_new = max(max_new, DEFAULT_NEW_TOKENS)
             continue
         if not isinstance(inst, dict) or not isinstance(inst.get("prompt"), str):
             raise InvalidInput(f'instances[{i}] must be a string or have a string "prompt"')
         prompts.append(inst["prompt"])
-        value = inst.get("max_new_tokens", max_new)
-        if not isinstance(value, int) or not 1 <= value <= MAX_NEW_TOKENS:
+        value = inst.get("max_new_tokens", DEFAULT_NEW_TOKENS)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 1 <= value <= MAX_NEW_TOKENS
+        ):
             raise InvalidInput(f"instances[{i}].max_new_tokens must be 1..{MAX_NEW_TOKENS}")
-        max_new = max(max_new, value) if i else value
+        max_new = max(max_new, value)
     return prompts, max_new

@@ -1,4 +1,5 @@
-"""deploy and smoke_test: serve the registered model, ask it real questions, promote or roll back."""
+"""deploy and smoke_test: serve the registered model, ask it real questions, promote or
+roll back."""
 
 from __future__ import annotations
 
@@ -89,8 +90,9 @@ def run_smoke_test(
             )
         ctx.tracker.client.set_registered_model_alias(cfg.model_name, "champion", version)
         print(
-            f"smoke_test: {prompts[0]!r} -> {answers[0]!r} (expected {expected[0]['completion']!r}); "
-            f"agreement {agree}/{len(expected)}; version {version} is champion",
+            f"smoke_test: {prompts[0]!r} -> {answers[0]!r} "
+            f"(expected {expected[0]['completion']!r}); agreement {agree}/{len(expected)}; "
+            f"version {version} is champion",
             flush=True,
         )
     return result

@@ -165,15 +165,21 @@ def _train(
     tokenizer = load_tokenizer(Path(cfg.dataset_dir) / "tokenizer")
     data = load_split(cfg.dataset_dir, "train")
     val = load_split(cfg.dataset_dir, "val")
-    model = build_model(cfg.model, tokenizer).to(device)
+    model: Any = build_model(cfg.model, tokenizer)
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     ddp: torch.nn.Module = (
-        DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
+        DistributedDataParallel(
+            model, device_ids=[device.index] if device.index is not None else None
+        )
         if distributed
         else model
     )
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(0.9, cfg.adam_beta2)
+        model.parameters(),
+        lr=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        betas=(0.9, cfg.adam_beta2),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps)
@@ -209,7 +215,7 @@ def _train(
             last = {
                 "step": step + 1,
                 "loss": float(loss_v),
-                "lr": sched.get_last_lr()[0],
+                "lr": float(sched.get_last_lr()[0]),
                 "grad_norm": float(grad_norm),
                 "tokens_per_sec": window_steps * tokens_per_step / max(elapsed, 1e-9),
             }

@@ -29,7 +29,7 @@ def run_train(
         ctx.tracker.log(run_id, params={**train_cfg.model_dump(exclude={"model"}), **hparams})
         result = platform.trainer(cfg).run(ctx.train_job("train", train_cfg))
         ws.collect(out, model_dir)
-        metrics = {
+        metrics: dict[str, float] = {
             k: result.metrics[k]
             for k in ("train_loss", "eval_loss", "perplexity", "tokens_per_sec")
             if k in result.metrics

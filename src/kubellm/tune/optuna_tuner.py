@@ -55,6 +55,7 @@ class OptunaTuner(Tuner):
         done = [t for t in trials if t.value is not None]
         if not done:
             raise JobFailed(f"{request.name}: all {len(trials)} trials failed")
-        best = min(done, key=lambda t: t.value if request.goal == "minimize" else -t.value)  # type: ignore[operator]
+        sign = 1.0 if request.goal == "minimize" else -1.0
+        best = min(done, key=lambda t: sign * (t.value or 0.0))
         assert best.value is not None
         return TuneResult(best.params, best.value, best.name, trials)

@@ -1,0 +1,164 @@
+"""End to end: `kubellm run --local` runs the compiled YAML through kfp.local, for real.
+
+Small model and data so the suite stays quick; the full-size run is `make run`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+SMALL = {
+    "num_records": 3000,
+    "vocab_size": 300,
+    "seq_len": 16,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_heads": 2,
+    "tune_trials": 2,
+    "tune_steps": 8,
+    "train_steps": 40,
+    "batch_size": 8,
+}
+STAGES = {
+    "preflight",
+    "prepare_data",
+    "tune",
+    "train",
+    "evaluate",
+    "register",
+    "deploy",
+    "smoke_test",
+}
+
+
+def _copy_yaml(tmp: Path, name: str) -> Path:
+    """The committed YAML under another pipeline name: the run's folder proves what ran."""
+    docs = list(yaml.safe_load_all((REPO / "pipelines" / "llm_train.yaml").read_text()))
+    docs[0]["pipelineInfo"]["name"] = name
+    out = tmp / f"{name}.yaml"
+    out.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return out
+
+
+def _run(tmp: Path, pipeline: Path, **overrides: Any) -> subprocess.CompletedProcess[str]:
+    sets = [a for k, v in {**SMALL, **overrides}.items() for a in ("--set", f"{k}={v}")]
+    return subprocess.run(
+        [sys.executable, "-m", "kubellm.cli", "run", "--local", "--pipeline", str(pipeline), *sets],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _client(tmp: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{tmp / 'runs' / 'mlflow.db'}")
+
+
+def _children(client: MlflowClient, parent: Any) -> dict[str, Any]:
+    runs = client.search_runs(
+        [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+    )
+    return {r.data.tags["kubellm.stage"]: r for r in runs}
+
+
+def test_full_pipeline_serves_and_records_lineage(tmp_path: Path) -> None:
+    proc = _run(tmp_path, _copy_yaml(tmp_path, "e2e-copy"), gate_min_accuracy=0)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    summary = out[out.rindex("=" * 78) :]
+    assert ": SUCCEEDED" in summary and "pipeline succeeded" in summary
+    for row in (
+        "records read / kept | 3000 /",
+        "best trial",
+        "final train loss",
+        "held-out exact match",
+        "gate | promote",
+        "model name / version | kubellm-tiny / 1",
+        "prompt -> answer",
+        "mlflow ui --backend-store-uri sqlite:///",
+    ):
+        assert row in summary, row
+    # the committed YAML (renamed copy) is what kfp.local ran
+    assert list((tmp_path / "runs" / "kfp").glob("e2e-copy-*"))
+
+    client = _client(tmp_path)
+    [exp] = [e for e in client.search_experiments() if e.name == "kubellm"]
+    parents = client.search_runs([exp.experiment_id], "tags.`kubellm.stage` = 'pipeline'")
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.status == "FINISHED"
+    children = _children(client, parent)
+    assert set(children) == STAGES
+    assert all(r.info.status == "FINISHED" for r in children.values())
+    kfp_run = parent.data.tags["kubellm.kfp_run_id"]
+
+    mv = client.get_model_version_by_alias("kubellm-tiny", "champion")
+    assert mv.tags["kubellm.kfp_run_id"] == kfp_run
+    assert mv.tags["kubellm.pipeline_run"] == parent.info.run_id
+    fingerprint = children["prepare_data"].data.tags["kubellm.data_fingerprint"]
+    assert mv.tags["kubellm.data_fingerprint"] == fingerprint and len(fingerprint) == 64
+    assert mv.tags["kubellm.training_run"] == children["train"].info.run_id
+    assert mv.tags["kubellm.best_trial"].startswith("kubellm-tiny-tune-")
+    assert children["smoke_test"].data.metrics["agreement"] >= 0.9
+
+    # the local server lived only for the run
+    servers = tmp_path / "runs" / "servers"
+    assert not list(servers.glob("*.json")), "a model server was left running"
+    state_logs = list(servers.glob("*.log"))
+    assert state_logs and "serving kubellm-tiny" in state_logs[0].read_text()
+
+
+def test_gate_rejects_and_nothing_is_registered(tmp_path: Path) -> None:
+    proc = _run(
+        tmp_path,
+        REPO / "pipelines" / "llm_train.yaml",
+        tune_trials=0,
+        train_steps=4,
+        gate_min_accuracy=1.0,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gate | reject (exact_match" in proc.stdout
+    client = _client(tmp_path)
+    assert client.search_registered_models() == []
+    [parent] = client.search_runs(
+        [client.get_experiment_by_name("kubellm").experiment_id],
+        "tags.`kubellm.stage` = 'pipeline'",
+    )
+    assert set(_children(client, parent)) == {
+        "preflight",
+        "prepare_data",
+        "tune",
+        "train",
+        "evaluate",
+    }
+
+
+def test_a_failing_stage_fails_the_run_with_its_reason(tmp_path: Path) -> None:
+    proc = _run(
+        tmp_path,
+        REPO / "pipelines" / "llm_train.yaml",
+        data_source=str(tmp_path / "missing-*.jsonl"),
+    )
+    assert proc.returncode == 1
+    assert ": FAILED" in proc.stdout and "pipeline FAILED" in proc.stdout
+    assert "prepare_data: data_source" in proc.stdout and "matches no file" in proc.stdout
+    client = _client(tmp_path)
+    [parent] = client.search_runs(
+        [client.get_experiment_by_name("kubellm").experiment_id],
+        "tags.`kubellm.stage` = 'pipeline'",
+    )
+    assert parent.info.status == "FAILED"
+    json.dumps(parent.data.tags)  # tags are plain strings
