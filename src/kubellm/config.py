@@ -97,7 +97,7 @@ class PipelineConfig(_Strict):
     num_heads: int = Field(4, ge=1, description="Attention heads (divide hidden_size).")
     tune_trials: int = Field(3, ge=0, le=200, description="Hyperparameter trials; 0 skips tuning.")
     tune_steps: int = Field(100, ge=1, description="Optimizer steps per trial.")
-    train_steps: int = Field(1000, ge=1, description="Optimizer steps of the final training run.")
+    train_steps: int = Field(1500, ge=1, description="Optimizer steps of the final training run.")
     batch_size: int = Field(64, ge=1, description="Global batch size (divisible by processes).")
     learning_rate: float = Field(3e-3, gt=0, lt=1, description="Learning rate when not tuned.")
     nproc_per_node: int = Field(2, ge=1, le=64, description="Training processes per node.")

@@ -1,7 +1,8 @@
 """Greedy completion of prompts, shared by evaluate and the model server.
 
-Prompts are batched by token length, so no batch carries padding: the served model and the
-evaluated model compute the same thing for the same prompt.
+Prompts are grouped by token length, so no batch carries padding. Both callers default to
+one prompt per forward pass: a CPU matmul's rounding can depend on the batch size, and the
+smoke test compares the served answers with the evaluated ones token for token.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def load_model(model_dir: str | Path, trust_remote_code: bool = False) -> tuple[
 
 @torch.no_grad()
 def complete(
-    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 64
+    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 1
 ) -> list[str]:
     """Greedy completions, cut at EOS, stripped."""
     encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]

@@ -66,8 +66,9 @@ class LocalWorkspace(Workspace):
 class PvcWorkspace(LocalWorkspace):
     """A ReadWriteMany PVC mounted at /workspace in the step's pod and in every job's pods."""
 
-    def __init__(self, pvc_name: str, mount: str = WORKSPACE_MOUNT) -> None:
-        super().__init__(mount)
+    def __init__(self, pvc_name: str, run_id: str, mount: str = WORKSPACE_MOUNT) -> None:
+        super().__init__(Path(mount) / run_id)  # one folder per pipeline run
+        self.mount = Path(mount)
         self.pvc_name = pvc_name
 
     def share(self, src: str | Path, *parts: str) -> Path:
@@ -76,13 +77,13 @@ class PvcWorkspace(LocalWorkspace):
         return dest
 
     def model_uri(self, path: Path) -> str:
-        return f"pvc://{self.pvc_name}/{Path(path).relative_to(self.root)}"
+        return f"pvc://{self.pvc_name}/{Path(path).relative_to(self.mount)}"
 
 
 def workspace(cfg: PipelineConfig, kfp_run_id: str) -> Workspace:
     if cfg.platform == "local":
         return LocalWorkspace(Path(cfg.runs_dir) / "work" / kfp_run_id)
-    return PvcWorkspace(cfg.workspace_pvc)
+    return PvcWorkspace(cfg.workspace_pvc, kfp_run_id)
 
 
 def trainer(cfg: PipelineConfig) -> Trainer:

@@ -70,7 +70,8 @@ def build_summary(
         ("endpoint", tag("deploy", "kubellm.endpoint")),
         (
             "prompt -> answer",
-            f"{param('smoke_test', 'prompt')!r} -> {param('smoke_test', 'answer')!r}",
+            f"{param('smoke_test', 'prompt')!r} -> {param('smoke_test', 'answer')!r} "
+            f"(expected {param('smoke_test', 'expected')!r})",
         ),
         ("served answers = evaluated", _fmt(metric("smoke_test", "agreement"))),
     ]

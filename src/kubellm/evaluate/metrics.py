@@ -36,9 +36,17 @@ def evaluate(
     predictions: list[dict[str, Any]] = []
     if examples:
         longest = max(len(tokenizer(e["completion"])["input_ids"]) for e in examples)
-        answers = complete(model, tokenizer, [e["prompt"] for e in examples], longest + 2)
+        max_new = longest + 2
+        answers = complete(model, tokenizer, [e["prompt"] for e in examples], max_new)
         for ex, answer in zip(examples, answers, strict=True):
-            predictions.append({**ex, "prediction": answer, "correct": answer == ex["completion"]})
+            predictions.append(
+                {
+                    **ex,
+                    "prediction": answer,
+                    "correct": answer == ex["completion"],
+                    "max_new_tokens": max_new,
+                }
+            )
         metrics["exact_match"] = sum(p["correct"] for p in predictions) / len(predictions)
         metrics["eval_examples"] = len(predictions)
     return {"metrics": metrics, "predictions": predictions}

@@ -66,7 +66,8 @@ def run_smoke_test(
         raise JobFailed("evaluate recorded no held-out prompts to smoke-test with")
     with ctx.tracker.stage(ctx.parent_run_id, "smoke_test") as run_id:
         prompts = [e["prompt"] for e in expected]
-        answers = ask(endpoint, prompts)
+        # same decoding budget as evaluate, so the answers are comparable token for token
+        answers = ask(endpoint, prompts, int(expected[0].get("max_new_tokens", 8)))
         agree = sum(a == e["prediction"] for a, e in zip(answers, expected, strict=True))
         correct = sum(a == e["completion"] for a, e in zip(answers, expected, strict=True))
         agreement = agree / len(expected)
@@ -80,7 +81,7 @@ def run_smoke_test(
         ctx.tracker.log(
             run_id,
             metrics={"agreement": agreement, "served_exact_match": correct / len(expected)},
-            params={"prompt": prompts[0], "answer": answers[0]},
+            params={"prompt": prompts[0], "answer": answers[0], "expected": result["expected"]},
         )
         if agreement < MIN_AGREEMENT:
             platform.server(cfg).delete(cfg.model_name, ctx.kfp_run_id)
