@@ -184,22 +184,10 @@ def _pipeline_succeeded(task: Any, summary: Path | None) -> bool:
 
 
 def _prepare(out_dir: str, overrides: dict[str, Any]) -> int:
-    from kubellm.data.prepare import PrepareParams, prepare
+    from kubellm.data.prepare import prepare
+    from kubellm.data.stage import prepare_params
 
-    cfg = pipeline_config(overrides, platform="local")
-    manifest = prepare(
-        PrepareParams(
-            source=cfg.data_source,
-            text_field=cfg.text_field,
-            mask_prompt=cfg.mask_prompt,
-            num_records=cfg.num_records,
-            seed=cfg.seed,
-            val_fraction=cfg.val_fraction,
-            vocab_size=cfg.vocab_size,
-            seq_len=cfg.seq_len,
-        ),
-        out_dir,
-    )
+    manifest = prepare(prepare_params(pipeline_config(overrides, platform="local")), out_dir)
     print(json.dumps(manifest["records"], indent=2))
     return 0
 

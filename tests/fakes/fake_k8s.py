@@ -26,13 +26,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from kubernetes import client as k8s
 
+from .http_fake import LoopbackFake
 from .k8s_schemas import Validator, crds_dir, validators
 
 
@@ -125,10 +126,11 @@ def selector_matches(selector: str, labels: dict[str, str]) -> bool:
     return True
 
 
-class FakeK8s:
+class FakeK8s(LoopbackFake):
     """The fake API server; a context manager that serves on 127.0.0.1 on a free port."""
 
     def __init__(self, crds: Path | None = None) -> None:
+        super().__init__()
         self.crds = crds or crds_dir()
         self._validators: dict[str, Validator] = validators(self.crds)
         self._lock = threading.RLock()
@@ -142,43 +144,6 @@ class FakeK8s:
         self.requests: list[Recorded] = []
         self.errors: list[str] = []  # every validation error, across requests
         self.deleted: list[Key] = []
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-
-    # ------------------------------------------------------------ lifecycle
-
-    def __enter__(self) -> FakeK8s:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        # http.server hands handlers only their server; a class per fake carries the state.
-        handler = type("Handler", (_Handler,), {"fake": self})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        server.daemon_threads = True
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": 0.02},
-            name="fake-k8s",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None, "FakeK8s is not started"
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
 
     def api_client(self) -> k8s.ApiClient:
         """A kubernetes ApiClient pointed at this fake."""
@@ -468,3 +433,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the recorded requests are the log."""
+
+
+FakeK8s.handler = _Handler
+FakeK8s.thread_name = "fake-k8s"

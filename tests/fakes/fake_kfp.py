@@ -42,13 +42,15 @@ import threading
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, NoReturn
 from urllib.parse import parse_qs, urlsplit
 
 import kfp_server_api
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
+
+from .http_fake import LoopbackFake
 
 API = "/apis/v2beta1"
 
@@ -183,53 +185,17 @@ def runtime_parameter_errors(spec: dict[str, Any], parameters: Any) -> list[str]
     return errors
 
 
-class FakeKfp:
+class FakeKfp(LoopbackFake):
     """The fake KFP API server; a context manager that serves on 127.0.0.1 on a free port."""
 
     def __init__(self, *, multi_user: bool = False) -> None:
+        super().__init__()
         self.multi_user = multi_user
         self._lock = threading.RLock()
         self.experiments: dict[str, dict[str, Any]] = {}
         self.runs: dict[str, dict[str, Any]] = {}
         self.requests: list[Recorded] = []
         self.errors: list[str] = []  # every rejected request's reasons, across requests
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-
-    # ------------------------------------------------------------ lifecycle
-
-    def __enter__(self) -> FakeKfp:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        # http.server hands handlers only their server; a class per fake carries the state.
-        handler = type("Handler", (_Handler,), {"fake": self})
-        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        server.daemon_threads = True
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever,
-            kwargs={"poll_interval": 0.02},
-            name="fake-kfp",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None, "FakeKfp is not started"
-        host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
 
     # ------------------------------------------------------------ test controls
 
@@ -414,3 +380,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the recorded requests are the log."""
+
+
+FakeKfp.handler = _Handler
+FakeKfp.thread_name = "fake-kfp"

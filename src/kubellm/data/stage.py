@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kubellm.config import PipelineConfig
 from kubellm.data.prepare import PrepareParams, prepare
 from kubellm.stage import StageContext
 
 
-def run_prepare(ctx: StageContext, out_dir: str | Path) -> dict[str, Any]:
-    cfg = ctx.cfg
-    params = PrepareParams(
+def prepare_params(cfg: PipelineConfig) -> PrepareParams:
+    """The data stage's slice of the pipeline parameters."""
+    return PrepareParams(
         source=cfg.data_source,
         text_field=cfg.text_field,
         mask_prompt=cfg.mask_prompt,
@@ -21,6 +22,10 @@ def run_prepare(ctx: StageContext, out_dir: str | Path) -> dict[str, Any]:
         vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,
     )
+
+
+def run_prepare(ctx: StageContext, out_dir: str | Path) -> dict[str, Any]:
+    params = prepare_params(ctx.cfg)
     with ctx.tracker.stage(ctx.parent_run_id, "prepare_data") as run_id:
         manifest = prepare(params, out_dir)
         rec = manifest["records"]

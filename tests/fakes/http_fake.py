@@ -1,0 +1,51 @@
+"""The loopback HTTP server every fake API server runs on (a thread, a free port)."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+
+class LoopbackFake:
+    """Start/stop and URL for a fake whose request handler reads its state from `fake`."""
+
+    handler: ClassVar[type[BaseHTTPRequestHandler]]
+    thread_name: ClassVar[str] = "fake"
+
+    def __init__(self) -> None:
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Any:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        # http.server hands handlers only their server; a class per fake carries the state.
+        handler = type("Handler", (self.handler,), {"fake": self})
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever,
+            kwargs={"poll_interval": 0.02},
+            name=self.thread_name,
+            daemon=True,
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None, f"{type(self).__name__} is not started"
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
