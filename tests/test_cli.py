@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
     [
         ("train_steps=-1", ["train_steps", ">= 1"]),
         ("nope=1", ["nope", "allowed parameters"]),
+        ("platform=kubernetes", ["platform='kubernetes'", "kubellm submit"]),
     ],
 )
 def test_run_local_rejects_bad_parameters_before_any_stage(

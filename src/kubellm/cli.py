@@ -132,6 +132,11 @@ def compile_pipelines(folder: str | Path, out_dir: str | Path | None = None) -> 
 
 def run_local(pipeline_yaml: str | Path, overrides: dict[str, Any]) -> int:
     """Run the compiled YAML (not the Python DSL) with kfp.local; returns an exit code."""
+    if overrides.get("platform", "local") != "local":
+        raise ConfigError(
+            f"invalid platform={overrides['platform']!r}: `run --local` runs platform 'local'; "
+            "use `kubellm submit` for a cluster"
+        )
     cfg = pipeline_config(overrides, platform="local")  # every value checked before any stage
     from kfp import local
     from kfp.components import load_component_from_file

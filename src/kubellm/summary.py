@@ -73,7 +73,7 @@ def build_summary(
             f"{param('smoke_test', 'prompt')!r} -> {param('smoke_test', 'answer')!r} "
             f"(expected {param('smoke_test', 'expected')!r})",
         ),
-        ("served answers = evaluated", _fmt(metric("smoke_test", "agreement"))),
+        ("served answers = evaluated (share)", _fmt(metric("smoke_test", "agreement"))),
     ]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     failed = [
