@@ -74,6 +74,7 @@ def build_summary(
             f"(expected {param('smoke_test', 'expected')!r})",
         ),
         ("served answers = evaluated (share)", _fmt(metric("smoke_test", "agreement"))),
+        ("served exact match (smoke prompts)", _fmt(metric("smoke_test", "served_exact_match"))),
     ]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     failed = [
