@@ -20,24 +20,20 @@ import re
 import sys
 import time
 import unicodedata
-from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kubellm.data.records import Counts, DataError
 from kubellm.data.synthetic import arithmetic_records
 from kubellm.data.tokenizer import train_bpe
 
 MANIFEST = "manifest.json"
 _WS = re.compile(r"[ \t\r\f\v]+")
-
-
-class DataError(ValueError):
-    """Input that cannot become a dataset; the message names the file, line or filter."""
 
 
 @dataclass
@@ -54,18 +50,6 @@ class PrepareParams:
     shard_rows: int = 65_536
     on_error: str = "skip"  # or "fail"
     mask_prompt: bool = True  # records with prompt/completion: loss on the completion only
-
-
-@dataclass
-class Counts:
-    read: int = 0
-    kept: int = 0
-    dropped: Counter[str] = field(default_factory=Counter)
-
-    def drop(self, reason: str, where: str, on_error: str, strict: bool = False) -> None:
-        if strict and on_error == "fail":
-            raise DataError(f"{where}: {reason.replace('_', ' ')}")
-        self.dropped[reason] += 1
 
 
 def _read_source(p: PrepareParams, counts: Counts) -> Iterator[dict[str, Any]]:
@@ -86,20 +70,16 @@ def _read_source(p: PrepareParams, counts: Counts) -> Iterator[dict[str, Any]]:
                     rec = json.loads(raw.decode("utf-8"))
                 except UnicodeDecodeError:
                     counts.read += 1
-                    counts.drop("invalid_utf8", where, p.on_error, strict=True)
+                    counts.drop("invalid_utf8", where, p.on_error)  # type: ignore[arg-type]
                     continue
                 except json.JSONDecodeError as err:
                     counts.read += 1
-                    counts.drop("malformed_json", f"{where}: {err}", p.on_error, strict=True)
+                    counts.drop("malformed_json", where, p.on_error, str(err))  # type: ignore[arg-type]
                     continue
                 if not isinstance(rec, dict) or not isinstance(rec.get(p.text_field), str):
                     counts.read += 1
-                    counts.drop(
-                        "missing_text",
-                        f"{where}: no string field {p.text_field!r}",
-                        p.on_error,
-                        True,
-                    )
+                    detail = f"no string field {p.text_field!r}"
+                    counts.drop("missing_text", where, p.on_error, detail)  # type: ignore[arg-type]
                     continue
                 yield {**rec, "text": rec[p.text_field]}
 
@@ -201,17 +181,17 @@ def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
         source_hash.update(raw.encode("utf-8", "surrogatepass") + b"\0")
         text = normalize(raw)
         if not text:
-            counts.drop("empty", "", params.on_error)
+            counts.drop("empty", "", "skip")
             continue
         if len(text) < params.min_chars:
-            counts.drop("too_short", "", params.on_error)
+            counts.drop("too_short", "", "skip")
             continue
         if len(text) > params.max_chars:
-            counts.drop("too_long", "", params.on_error)
+            counts.drop("too_long", "", "skip")
             continue
         key = hashlib.blake2b(text.encode(), digest_size=16).digest()
         if key in seen:
-            counts.drop("duplicate", "", params.on_error)
+            counts.drop("duplicate", "", "skip")
             continue
         seen.add(key)
         counts.kept += 1

@@ -1,0 +1,72 @@
+"""What every data step shares: a record, the counts, and how bad input is reported.
+
+Nothing is dropped silently: each dropped record is counted under a reason, and under
+`on_error="fail"` a bad-input reason stops the stage with an error naming the file and line.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+OnError = Literal["skip", "fail"]
+
+# Reasons that mean the input itself is broken (strict mode stops on them); the others are
+# filters (quality, length, duplicates) and always just count.
+BAD_INPUT = frozenset(
+    {
+        "malformed_json",
+        "missing_text",
+        "invalid_utf8",
+        "empty",
+        "too_long",
+        "unreadable_file",
+        "empty_file",
+        "bad_template",
+    }
+)
+
+
+class DataError(ValueError):
+    """Input that cannot become a dataset; the message names the file, line or filter."""
+
+
+@dataclass
+class Record:
+    """One document: the training text, and its prompt/completion split when it has one."""
+
+    text: str
+    where: str = ""  # "path:line" (or "path" for whole-file documents), for error messages
+    prompt: str | None = None
+    completion: str | None = None
+
+    @property
+    def is_pair(self) -> bool:
+        return self.prompt is not None and self.completion is not None
+
+
+@dataclass
+class Counts:
+    """read = kept + sum(dropped), always; `assert_reconciled` checks it."""
+
+    read: int = 0
+    kept: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    def drop(self, reason: str, where: str, on_error: OnError, detail: str = "") -> None:
+        """Count one dropped record, or raise when strict mode forbids this reason."""
+        if on_error == "fail" and reason in BAD_INPUT:
+            text = reason.replace("_", " ")
+            raise DataError(f"{where}: {text}{': ' + detail if detail else ''}")
+        self.dropped[reason] += 1
+
+    def summary(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.dropped.most_common()) or "none"
+
+    def assert_reconciled(self) -> None:
+        if self.read != self.kept + sum(self.dropped.values()):
+            raise AssertionError(
+                f"counts do not reconcile: read {self.read} != kept {self.kept} + dropped "
+                f"{sum(self.dropped.values())} ({self.summary()})"
+            )
