@@ -84,7 +84,26 @@ class PipelineConfig(_Strict):
         "synthetic",
         description="'synthetic' (built-in arithmetic Q/A) or a path/glob of JSONL files.",
     )
-    text_field: str = Field("text", min_length=1, description="JSONL field holding the text.")
+    data_format: Literal["auto", "jsonl", "parquet", "text", "hf"] = Field(
+        "auto", description="Source format; auto goes by file extension (.jsonl[.gz|.zst], ...)."
+    )
+    text_field: str = Field("text", min_length=1, description="Field holding the text.")
+    template: Literal["none", "prompt_response", "messages"] = Field(
+        "none", description="Render prompt/response or chat messages fields into training text."
+    )
+    tokenizer: str = Field(
+        "", description="Tokenizer directory or hub name; empty trains a byte-level BPE."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow a tokenizer's or model's own Python code (off unless asked)."
+    )
+    packing: Literal["concat", "best_fit"] = Field(
+        "concat", description="concat: EOS-joined and chunked; best_fit: whole documents, padded."
+    )
+    near_dedup: bool = Field(False, description="Drop near-duplicates (MinHash LSH) too.")
+    on_error: Literal["skip", "fail"] = Field(
+        "skip", description="Bad input records: skip (count by reason) or fail the stage."
+    )
     mask_prompt: bool = Field(
         True, description="Train on completions only (records with prompt/completion fields)."
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -113,3 +114,91 @@ def test_prompt_is_masked_out_of_the_loss(tmp_path: Path) -> None:
     table = pq.read_table(tmp_path / "plain" / "train" / "shard-00000.parquet")
     assert table.column_names == ["input_ids"]
     assert plain["tokens"]["train"] == m["tokens"]["train"]  # same tokens, only the mask differs
+
+
+def _jsonl_texts(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def _words(i: int, n: int = 30) -> str:
+    rng = random.Random(i)
+    return " ".join(f"w{rng.randint(0, 500)}" for _ in range(n)) + f" doc{i}"
+
+
+def test_filters_count_each_reason(tmp_path: Path) -> None:
+    texts = [_words(i) for i in range(80)]
+    texts += ["<<>>{{}}[[]]##$$%%^^&&**" * 3]  # symbols
+    texts += ["same line\n" * 5 + "other"]  # repeated lines: 4 of 6 lines repeat
+    texts += ["x" * 500]  # too long for max_chars=400
+    texts += [_words(3)]  # exact duplicate
+    src = _jsonl_texts(tmp_path / "in.jsonl", texts)
+    m = prepare(_small(source=str(src), vocab_size=300, seq_len=8, max_chars=400), tmp_path / "o")
+    assert m["records"]["dropped"] == {
+        "duplicate": 1,
+        "repeated_lines": 1,
+        "symbol_ratio": 1,
+        "too_long": 1,
+    }
+    assert m["records"]["read"] == len(texts) == m["records"]["kept"] + 4
+
+
+def test_enormous_document_fails_strict_mode_with_its_line(tmp_path: Path) -> None:
+    src = _jsonl_texts(tmp_path / "in.jsonl", [_words(1), "y" * 5000])
+    with pytest.raises(DataError, match=r"in\.jsonl:2: too long: 5000 characters > max_chars"):
+        prepare(_small(source=str(src), max_chars=1000, on_error="fail"), tmp_path / "o")
+
+
+def test_near_duplicates_are_dropped_when_asked(tmp_path: Path) -> None:
+    base = [_words(i, 60) for i in range(60)]
+    near = [t.replace("doc", "Doc", 1) + " tail" for t in base[:10]]  # one-word edits
+    src = _jsonl_texts(tmp_path / "in.jsonl", base + near)
+    off = prepare(_small(source=str(src), vocab_size=300, seq_len=8), tmp_path / "off")
+    on = prepare(
+        _small(source=str(src), vocab_size=300, seq_len=8, near_dedup=True), tmp_path / "on"
+    )
+    assert "near_duplicate" not in off["records"]["dropped"]
+    # LSH is probabilistic (seeded, so this run is exact): most near copies caught, and no
+    # original lost (the 60 distinct bases all stay)
+    assert 8 <= on["records"]["dropped"]["near_duplicate"] <= 10
+    assert on["records"]["kept"] >= 60
+
+
+def test_best_fit_reports_padding_and_keeps_documents_whole(tmp_path: Path) -> None:
+    concat = prepare(_small(), tmp_path / "c")
+    best = prepare(_small(packing="best_fit"), tmp_path / "b")
+    assert concat["packing"]["padding_pct"] == 0 and concat["packing"]["cropped_pct"] > 0
+    assert best["packing"]["cropped_pct"] == 0 and best["packing"]["padding_pct"] > 0
+    table = pq.read_table(tmp_path / "b" / "train" / "shard-00000.parquet")
+    row = table.column("input_ids").to_pylist()[0]
+    mask = table.column("loss_mask").to_pylist()[0]
+    eos = best["tokenizer"]["eos_id"]
+    pad = best["tokenizer"]["pad_id"]
+    assert row[-1] in (eos, pad)  # rows end on a document boundary
+    assert all(m == 0 for t, m in zip(row, mask, strict=True) if t == pad and pad != eos)
+
+
+def test_appending_documents_keeps_validation_assignments(tmp_path: Path) -> None:
+    first = [_words(i) for i in range(300)]
+    more = first + [_words(i) for i in range(300, 450)]
+    a = prepare(_small(source=str(_jsonl_texts(tmp_path / "a.jsonl", first))), tmp_path / "a")
+    b = prepare(_small(source=str(_jsonl_texts(tmp_path / "b.jsonl", more))), tmp_path / "b")
+    held_a = {t for t in first if is_validation(normalize(t), 0.1)}
+    assert a["records"]["val"] == len(held_a)
+    held_b = {t for t in more if is_validation(normalize(t), 0.1)}
+    assert held_a <= held_b and b["records"]["val"] == len(held_b)
+    assert a["source_fingerprint"] != b["source_fingerprint"]
+
+
+def test_pretrained_tokenizer_directory_is_used(tmp_path: Path) -> None:
+    first = prepare(_small(), tmp_path / "first")
+    again = prepare(_small(tokenizer=str(tmp_path / "first" / "tokenizer")), tmp_path / "again")
+    assert again["tokenizer"]["kind"] == "pretrained"
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in first["shards"]]
+
+
+def test_manifest_records_every_parameter_and_progress(tmp_path: Path, capsys) -> None:
+    m = prepare(_small(progress_s=1e-9), tmp_path / "o")
+    assert set(m["params"]) == set(vars(PrepareParams()))
+    err = capsys.readouterr().err
+    assert "prepare: records=" in err and "/s) kept=" in err and "tokens_per_sec=" in err

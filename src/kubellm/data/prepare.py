@@ -1,276 +1,457 @@
 """prepare_data: read, clean, dedup, split, tokenize, pack and shard text to Parquet.
 
+Streaming from end to end: records arrive in batches from the source readers, are cleaned
+and deduplicated in this thread while the previous batch is tokenized (the fast tokenizer
+releases the GIL and uses every core) and packed and written in a worker thread; memory
+holds a few batches, the dedup digests (16 bytes a document) and one open shard per split.
+
 The Dataset artifact it writes is the contract with every later stage:
 
-    train/shard-00000.parquet   input_ids: list<int32>, one packed sequence a row
+    train/shard-00000.parquet   input_ids: list<int32> (one packed row each), loss_mask: list<int8>
     val/shard-00000.parquet     the same for held-out records
     eval/examples.parquet       prompt, completion (held-out records that have them)
     tokenizer/                  Hugging Face tokenizer files
-    manifest.json               counts (read = kept + dropped), tokens, shard digests, fingerprint
+    manifest.json               counts (read = kept + dropped), tokens, shards, fingerprint
 
 Nothing is dropped silently: each dropped record is counted under its reason.
+
+    kubellm prepare runs/dataset --set data_source='corpus/*.jsonl.zst'
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import re
 import sys
 import time
 import unicodedata
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kubellm.data.records import Counts, DataError
-from kubellm.data.synthetic import arithmetic_records
-from kubellm.data.tokenizer import train_bpe
+from kubellm.data.minhash import NearDuplicates
+from kubellm.data.packing import BestFitPacker, ConcatPacker, Doc, Rows, make_packer
+from kubellm.data.records import Counts, DataError, Record
+from kubellm.data.sources import SourceOptions, read_records, source_files
+from kubellm.data.tokenizer import load_tokenizer, train_bpe
+
+__all__ = ["DataError", "PrepareParams", "is_validation", "load_manifest", "prepare"]
 
 MANIFEST = "manifest.json"
+MAX_LISTED_FILES = 1000  # in the manifest; the count is always complete
+MAX_EXAMPLES = 10_000  # held-out prompt/completion pairs kept for task metrics
 _WS = re.compile(r"[ \t\r\f\v]+")
 
 
 @dataclass
 class PrepareParams:
     source: str = "synthetic"
+    format: str = "auto"  # auto | jsonl | parquet | text | hf
     text_field: str = "text"
+    text_mode: str = "file"  # plain text: a document per file or per line
+    template: str = "none"  # none | prompt_response | messages
+    mask_prompt: bool = True  # prompt/completion records: loss on the completion only
+    tokenizer: str = ""  # a tokenizer directory or hub name; "" trains a byte-level BPE
+    trust_remote_code: bool = False
+    tokenizer_sample: int = 200_000  # training records the BPE learns from
     num_records: int = 20000  # synthetic only
     seed: int = 0
     val_fraction: float = 0.1
     vocab_size: int = 512
     seq_len: int = 32
+    packing: str = "concat"  # concat | best_fit
     min_chars: int = 1
     max_chars: int = 100_000
+    max_symbol_ratio: float = 0.5  # share of characters that are neither letters, digits nor space
+    max_repeated_line_ratio: float = 0.5  # share of non-empty lines that repeat an earlier one
+    near_dedup: bool = False
+    near_dedup_threshold: float = 0.8
     shard_rows: int = 65_536
+    batch_records: int = 4096
     on_error: str = "skip"  # or "fail"
-    mask_prompt: bool = True  # records with prompt/completion: loss on the completion only
+    progress_s: float = 10.0
 
-
-def _read_source(p: PrepareParams, counts: Counts) -> Iterator[dict[str, Any]]:
-    """Records from the source; malformed ones are counted (or fail, with file and line)."""
-    if p.source == "synthetic":
-        yield from arithmetic_records(p.num_records, seed=p.seed)
-        return
-    paths = sorted(glob.glob(p.source)) or ([p.source] if Path(p.source).is_file() else [])
-    if not paths:
-        raise DataError(f"data_source {p.source!r} matches no file")
-    for path in paths:
-        with open(path, "rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    rec = json.loads(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    counts.read += 1
-                    counts.drop("invalid_utf8", where, p.on_error)  # type: ignore[arg-type]
-                    continue
-                except json.JSONDecodeError as err:
-                    counts.read += 1
-                    counts.drop("malformed_json", where, p.on_error, str(err))  # type: ignore[arg-type]
-                    continue
-                if not isinstance(rec, dict) or not isinstance(rec.get(p.text_field), str):
-                    counts.read += 1
-                    detail = f"no string field {p.text_field!r}"
-                    counts.drop("missing_text", where, p.on_error, detail)  # type: ignore[arg-type]
-                    continue
-                yield {**rec, "text": rec[p.text_field]}
+    def source_options(self) -> SourceOptions:
+        return SourceOptions(
+            format=self.format,  # type: ignore[arg-type]
+            text_field=self.text_field,
+            text_mode=self.text_mode,  # type: ignore[arg-type]
+            template=self.template,  # type: ignore[arg-type]
+            on_error=self.on_error,  # type: ignore[arg-type]
+            num_records=self.num_records,
+            seed=self.seed,
+        )
 
 
 def normalize(text: str) -> str:
     """Unicode NFC, runs of horizontal whitespace folded, lines stripped."""
     text = unicodedata.normalize("NFC", text)
+    if "\n" not in text:
+        return _WS.sub(" ", text).strip()
     return "\n".join(_WS.sub(" ", line).strip() for line in text.splitlines()).strip()
+
+
+def digest(text: str) -> bytes:
+    """Content hash: exact dedup key, and (first 8 bytes) the train/val split."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def is_validation(text: str, val_fraction: float) -> bool:
     """Split by content hash: a record's side never changes when data is appended."""
-    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-    return (h % 1_000_000) < val_fraction * 1_000_000
+    return _is_val(digest(text), val_fraction)
 
 
-@dataclass
-class Packed:
-    rows: list[list[int]]
-    masks: list[list[int]] | None
-    cropped: int
+def _is_val(key: bytes, val_fraction: float) -> bool:
+    return int.from_bytes(key[:8], "big") % 1_000_000 < val_fraction * 1_000_000
 
 
-def _pack(docs: Iterable[tuple[list[int], list[int]]], eos: int, seq_len: int) -> Packed:
-    """Concatenate (ids, loss mask) documents with EOS separators and chunk to seq_len.
+def symbol_ratio(text: str) -> float:
+    """Share of characters that are not letters, digits or whitespace (markup, boilerplate)."""
+    plain = sum(c.isalnum() or c.isspace() for c in text)
+    return 1.0 - plain / max(len(text), 1)
 
-    The mask is 1 where the token is a training target (the EOS that ends a document is
-    one: the model must learn to stop). All ones means no mask column is written.
+
+def repeated_line_ratio(text: str) -> float:
+    lines = [ln for ln in text.split("\n") if ln]
+    if len(lines) < 2:
+        return 0.0
+    return 1.0 - len(set(lines)) / len(lines)
+
+
+class _Cleaner:
+    """Normalization, filters and dedup: decides which records are kept, counts the rest.
+
+    The source fingerprint hashes every record's raw text in read order: the same input
+    gives the same fingerprint whatever the filters, and any edit to a record changes it.
     """
-    flat: list[int] = []
-    mask: list[int] = []
-    for ids, m in docs:
-        flat.extend(ids)
-        flat.append(eos)
-        mask.extend(m)
-        mask.append(1)
-    n = len(flat) // seq_len
-    rows = [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)]
-    masks = None if all(mask) else [mask[i * seq_len : (i + 1) * seq_len] for i in range(n)]
-    return Packed(rows, masks, len(flat) - n * seq_len)
+
+    def __init__(self, p: PrepareParams, counts: Counts) -> None:
+        self.p = p
+        self.counts = counts
+        self.seen: set[bytes] = set()
+        self.near = NearDuplicates(p.near_dedup_threshold, seed=p.seed) if p.near_dedup else None
+        self.fingerprint = hashlib.sha256()
+
+    def keep(self, rec: Record) -> tuple[Record, bool] | None:
+        """The cleaned record and whether it is held out, or None when it is dropped."""
+        p, counts = self.p, self.counts  # the reader has counted the record as read
+        self.fingerprint.update(rec.text.encode("utf-8", "surrogatepass") + b"\0")
+        text = normalize(rec.text)
+        if not text:
+            counts.drop("empty", rec.where, p.on_error)  # type: ignore[arg-type]
+            return None
+        if len(text) > p.max_chars:
+            detail = f"{len(text)} characters > max_chars={p.max_chars}"
+            counts.drop("too_long", rec.where, p.on_error, detail)  # type: ignore[arg-type]
+            return None
+        if len(text) < p.min_chars:
+            counts.drop("too_short", rec.where, "skip")
+            return None
+        if symbol_ratio(text) > p.max_symbol_ratio:
+            counts.drop("symbol_ratio", rec.where, "skip")
+            return None
+        if repeated_line_ratio(text) > p.max_repeated_line_ratio:
+            counts.drop("repeated_lines", rec.where, "skip")
+            return None
+        key = digest(text)
+        if key in self.seen:
+            counts.drop("duplicate", rec.where, "skip")
+            return None
+        self.seen.add(key)
+        if self.near is not None and self.near.is_duplicate(text):
+            counts.drop("near_duplicate", rec.where, "skip")
+            return None
+        counts.kept += 1
+        if rec.is_pair and rec.text != (rec.prompt or "") + (rec.completion or ""):
+            rec = Record(rec.text, rec.where)  # fields that do not make up the text: plain text
+        if rec.is_pair and text != rec.text:
+            # keep the prompt/completion boundary exact: normalize the parts, not the whole
+            prompt, completion = normalize(rec.prompt or ""), normalize(rec.completion or "")
+            rec = Record(prompt + completion, rec.where, prompt, completion)
+        else:
+            rec = Record(text, rec.where, rec.prompt, rec.completion)
+        return rec, _is_val(key, p.val_fraction)
 
 
-def _write_shards(out: Path, packed: Packed, shard_rows: int) -> list[dict[str, Any]]:
-    out.mkdir(parents=True, exist_ok=True)
-    shards = []
-    rows = packed.rows
-    for i in range(0, max(len(rows), 1), shard_rows):
-        chunk = rows[i : i + shard_rows]
-        columns = {"input_ids": pa.array(chunk, type=pa.list_(pa.int32()))}
-        if packed.masks is not None:
-            columns["loss_mask"] = pa.array(packed.masks[i : i + shard_rows], pa.list_(pa.int8()))
-        table = pa.table(columns)
-        path = out / f"shard-{i // shard_rows:05d}.parquet"
-        pq.write_table(table, path, compression="zstd")
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        shards.append({"name": f"{out.name}/{path.name}", "rows": len(chunk), "sha256": digest})
-    return shards
-
-
-def _tokenize(
-    tokenizer: Any, records: list[dict[str, str]], mask_prompt: bool
-) -> list[tuple[list[int], list[int]]]:
-    """(ids, loss mask) per record, batched through the fast tokenizer.
+def _tokenize(tokenizer: Any, records: list[Record], mask_prompt: bool) -> list[Doc]:
+    """(ids, n_prompt) per record, batched through the fast tokenizer.
 
     Prompt/completion records are encoded in two parts when the prompt is masked, so the
     boundary is exact; plain text is one part, all targets.
     """
     backend = tokenizer.backend_tokenizer
-    split = [mask_prompt and "prompt" in r and "completion" in r for r in records]
-    whole = backend.encode_batch([r["text"] for r, s in zip(records, split, strict=True) if not s])
-    parts = [r for r, s in zip(records, split, strict=True) if s]
-    prompts = backend.encode_batch([r["prompt"] for r in parts])
-    answers = backend.encode_batch([r["completion"] for r in parts])
-    out: list[tuple[list[int], list[int]]] = []
+    split = [mask_prompt and r.is_pair for r in records]
+    whole = backend.encode_batch(
+        [r.text for r, s in zip(records, split, strict=True) if not s], add_special_tokens=False
+    )
+    pairs = [r for r, s in zip(records, split, strict=True) if s]
+    prompts = backend.encode_batch([r.prompt for r in pairs], add_special_tokens=False)
+    answers = backend.encode_batch([r.completion for r in pairs], add_special_tokens=False)
+    out: list[Doc] = []
     it_whole, it_p, it_a = iter(whole), iter(prompts), iter(answers)
     for s in split:
         if s:
             p, a = next(it_p).ids, next(it_a).ids
-            out.append((p + a, [0] * len(p) + [1] * len(a)))
+            out.append((p + a, len(p)))
         else:
-            ids = next(it_whole).ids
-            out.append((ids, [1] * len(ids)))
+            out.append((next(it_whole).ids, 0))
     return out
+
+
+class _ShardWriter:
+    """Rolling Parquet shards of one split, `shard_rows` rows each, with their digests."""
+
+    def __init__(self, out: Path, shard_rows: int, with_mask: bool) -> None:
+        self.out = out
+        self.shard_rows = shard_rows
+        self.with_mask = with_mask
+        self.shards: list[dict[str, Any]] = []
+        self.rows = 0
+        self._writer: pq.ParquetWriter | None = None
+        self._path: Path | None = None
+        self._in_shard = 0
+        out.mkdir(parents=True, exist_ok=True)
+        fields = [pa.field("input_ids", pa.list_(pa.int32()))]
+        if with_mask:
+            fields.append(pa.field("loss_mask", pa.list_(pa.int8())))
+        self.schema = pa.schema(fields)
+
+    def write(self, rows: Rows) -> None:
+        start = 0
+        while start < len(rows):
+            if self._writer is None:
+                self._path = self.out / f"shard-{len(self.shards):05d}.parquet"
+                self._writer = pq.ParquetWriter(self._path, self.schema, compression="zstd")
+                self._in_shard = 0
+            take = min(len(rows) - start, self.shard_rows - self._in_shard)
+            self._writer.write_table(self._table(rows, start, start + take))
+            self._in_shard += take
+            self.rows += take
+            start += take
+            if self._in_shard == self.shard_rows:
+                self._close()
+
+    def _table(self, rows: Rows, a: int, b: int) -> pa.Table:
+        seq_len = rows.ids.shape[1]
+        n = b - a
+        offsets = pa.array([i * seq_len for i in range(n + 1)], type=pa.int32())
+        cols = [pa.ListArray.from_arrays(offsets, pa.array(rows.ids[a:b].reshape(-1)))]
+        if self.with_mask:
+            cols.append(pa.ListArray.from_arrays(offsets, pa.array(rows.mask[a:b].reshape(-1))))
+        return pa.Table.from_arrays(cols, schema=self.schema)
+
+    def _close(self) -> None:
+        if self._writer is None or self._path is None:
+            return
+        self._writer.close()
+        sha = hashlib.sha256(self._path.read_bytes()).hexdigest()
+        name = f"{self.out.name}/{self._path.name}"
+        self.shards.append({"name": name, "rows": self._in_shard, "sha256": sha})
+        self._writer = None
+
+    def close(self) -> list[dict[str, Any]]:
+        self._close()
+        return self.shards
+
+
+@dataclass
+class _Split:
+    packer: ConcatPacker | BestFitPacker
+    writer: _ShardWriter
+    pending: list[Record]
+    tokens: int = 0
+    documents: int = 0
+    masked: int = 0
+
+
+def _train_tokenizer(p: PrepareParams) -> Any:
+    """A byte-level BPE learned from up to `tokenizer_sample` cleaned training records."""
+    sample_counts = Counts()
+    cleaner = _Cleaner(p, sample_counts)
+
+    def texts() -> Iterator[str]:
+        for rec in read_records(p.source, p.source_options(), sample_counts):
+            kept = cleaner.keep(rec)
+            if kept is not None and not kept[1]:
+                yield kept[0].text
+
+    return train_bpe(islice(texts(), p.tokenizer_sample), p.vocab_size)
+
+
+def _progress(counts: Counts, tokens: int, t0: float) -> str:
+    dt = max(time.monotonic() - t0, 1e-9)
+    return (
+        f"prepare: records={counts.read} ({counts.read / dt:,.0f}/s) kept={counts.kept} "
+        f"tokens={tokens} ({tokens / dt:,.0f}/s)"
+    )
 
 
 def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
     """Build the Dataset artifact in `out_dir`; returns the manifest."""
+    p = params
+    if p.packing not in ("concat", "best_fit"):
+        raise DataError(f"packing={p.packing!r}: allowed 'concat', 'best_fit'")
     t0 = time.monotonic()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    counts = Counts()
-    seen: set[bytes] = set()
-    source_hash = hashlib.sha256()
-    train: list[dict[str, str]] = []
-    val: list[dict[str, str]] = []
-    for rec in _read_source(params, counts):
-        counts.read += 1
-        raw = rec["text"]
-        source_hash.update(raw.encode("utf-8", "surrogatepass") + b"\0")
-        text = normalize(raw)
-        if not text:
-            counts.drop("empty", "", "skip")
-            continue
-        if len(text) < params.min_chars:
-            counts.drop("too_short", "", "skip")
-            continue
-        if len(text) > params.max_chars:
-            counts.drop("too_long", "", "skip")
-            continue
-        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
-        if key in seen:
-            counts.drop("duplicate", "", "skip")
-            continue
-        seen.add(key)
-        counts.kept += 1
-        if is_validation(text, params.val_fraction):
-            val.append({"text": text, **{k: rec[k] for k in ("prompt", "completion") if k in rec}})
-        else:
-            train.append(
-                {"text": text, **{k: rec[k] for k in ("prompt", "completion") if k in rec}}
-            )
-    if not train or not val:
-        reasons = ", ".join(f"{k}={v}" for k, v in counts.dropped.most_common()) or "none"
-        raise DataError(
-            f"no {'training' if not train else 'validation'} records left: read {counts.read}, "
-            f"kept {counts.kept}, dropped by reason: {reasons}"
-        )
-    print(f"prepare: read={counts.read} kept={counts.kept} train={len(train)} val={len(val)}")
-
-    tokenizer = train_bpe((r["text"] for r in train), params.vocab_size)
+    if p.tokenizer:
+        tokenizer = load_tokenizer(p.tokenizer, trust_remote_code=p.trust_remote_code)
+        tok_info = {"kind": "pretrained", "source": p.tokenizer}
+    else:
+        tokenizer = _train_tokenizer(p)
+        tok_info = {"kind": "byte-level-bpe", "source": "trained on this data"}
     tokenizer.save_pretrained(out / "tokenizer")
     eos = tokenizer.eos_token_id
-    assert eos is not None
+    if eos is None:
+        raise DataError(f"tokenizer {p.tokenizer!r} has no EOS token to separate documents")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
-    token_counts: dict[str, int] = {}
-    cropped: dict[str, int] = {}
+    counts = Counts()
+    cleaner = _Cleaner(p, counts)
+    with_mask = p.mask_prompt or p.packing == "best_fit"
+    splits = {
+        name: _Split(
+            make_packer(p.packing, p.seq_len, eos, pad),
+            _ShardWriter(out / name, p.shard_rows, with_mask),
+            [],
+        )
+        for name in ("train", "val")
+    }
+    examples: list[dict[str, str]] = []
+
+    def work(split: _Split, records: list[Record], final: bool) -> None:
+        """Tokenize, pack and write one batch (in the worker thread, batches in order)."""
+        docs = _tokenize(tokenizer, records, p.mask_prompt) if records else []
+        split.documents += len(docs)
+        split.masked += sum(1 for _, n in docs if n)
+        split.tokens += sum(len(ids) + 1 for ids, _ in docs)
+        if docs:
+            split.writer.write(split.packer.add(docs))
+        if final:
+            split.writer.write(split.packer.finish())
+
+    total_tokens = 0
+    last_report = time.monotonic()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as pool:
+        inflight: list[Future[None]] = []
+
+        def submit(split: _Split, final: bool = False) -> None:
+            records, split.pending = split.pending, []
+            # one worker, FIFO: batches are packed and written in order (deterministic)
+            inflight.append(pool.submit(work, split, records, final))
+            while len(inflight) > 2:  # bounded: at most two batches waiting
+                inflight.pop(0).result()
+
+        for rec in read_records(p.source, p.source_options(), counts):
+            kept = cleaner.keep(rec)
+            if kept is None:
+                continue
+            rec, held_out = kept
+            split = splits["val" if held_out else "train"]
+            split.pending.append(rec)
+            if held_out and rec.is_pair and len(examples) < MAX_EXAMPLES:
+                examples.append({"prompt": rec.prompt or "", "completion": rec.completion or ""})
+            if len(split.pending) >= p.batch_records:
+                submit(split)
+            if p.progress_s and time.monotonic() - last_report > p.progress_s:
+                total_tokens = sum(s.tokens for s in splits.values())
+                print(_progress(counts, total_tokens, t0), file=sys.stderr, flush=True)
+                last_report = time.monotonic()
+        for split in splits.values():
+            submit(split, final=True)
+        for f in inflight:
+            f.result()
+
+    counts.assert_reconciled()
+    files = source_files(p.source)
     shards: list[dict[str, Any]] = []
-    masked_docs = 0
-    for split, records in (("train", train), ("val", val)):
-        docs = _tokenize(tokenizer, records, params.mask_prompt)
-        masked_docs += sum(not all(m) for _, m in docs)
-        token_counts[split] = sum(len(ids) + 1 for ids, _ in docs)
-        packed = _pack(docs, eos, params.seq_len)
-        cropped[split] = packed.cropped
-        if not packed.rows:
+    for name, split in splits.items():
+        shards += split.writer.close()
+        if split.writer.rows == 0:
+            if split.documents == 0:
+                raise DataError(
+                    f"no {'training' if name == 'train' else 'validation'} records left: read "
+                    f"{counts.read}, kept {counts.kept}, dropped by reason: {counts.summary()}"
+                )
             raise DataError(
-                f"{split} split has {token_counts[split]} tokens, fewer than one sequence "
-                f"of seq_len={params.seq_len}"
+                f"{name} split has {split.tokens} tokens, fewer than one row of seq_len={p.seq_len}"
             )
-        shards += _write_shards(out / split, packed, params.shard_rows)
 
-    examples = [v for v in val if "prompt" in v and "completion" in v]
     (out / "eval").mkdir(exist_ok=True)
     pq.write_table(
         pa.table(
             {
-                "prompt": [e["prompt"] for e in examples],
-                "completion": [e["completion"] for e in examples],
+                "prompt": pa.array([e["prompt"] for e in examples], pa.string()),
+                "completion": pa.array([e["completion"] for e in examples], pa.string()),
             }
         ),
         out / "eval" / "examples.parquet",
     )
     elapsed = time.monotonic() - t0
-    total_tokens = sum(token_counts.values())
+    total_tokens = sum(s.tokens for s in splits.values())
+    rows_tokens = sum(s.writer.rows for s in splits.values()) * p.seq_len
+    stats = [s.packer.stats for s in splits.values()]
+    packing = {
+        "strategy": p.packing,
+        **_combined(stats, rows_tokens),
+    }
     manifest: dict[str, Any] = {
         "records": {
             "read": counts.read,
             "kept": counts.kept,
             "dropped": dict(sorted(counts.dropped.items())),
-            "train": len(train),
-            "val": len(val),
+            "train": splits["train"].documents,
+            "val": splits["val"].documents,
             "eval_examples": len(examples),
         },
-        "tokens": {**token_counts, "cropped": cropped},
-        "seq_len": params.seq_len,
-        "loss_masked_documents": masked_docs,
+        "tokens": {
+            "train": splits["train"].tokens,
+            "val": splits["val"].tokens,
+            "cropped": {k: s.packer.stats.cropped for k, s in splits.items()},
+        },
+        "seq_len": p.seq_len,
+        "rows": {k: s.writer.rows for k, s in splits.items()},
+        "packing": packing,
+        "loss_masked_documents": sum(s.masked for s in splits.values()),
         "shards": shards,
-        "tokenizer": {"kind": "byte-level-bpe", "vocab_size": len(tokenizer), "eos_id": eos},
-        "params": vars(params),
-        "source_fingerprint": source_hash.hexdigest(),
+        "tokenizer": {**tok_info, "vocab_size": len(tokenizer), "eos_id": eos, "pad_id": pad},
+        "params": asdict(p),
+        "source_fingerprint": cleaner.fingerprint.hexdigest(),
+        "source_files": {"count": len(files), "names": files[:MAX_LISTED_FILES]},
         "seconds": round(elapsed, 3),
     }
-    assert counts.read == counts.kept + sum(counts.dropped.values())
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     print(
-        f"prepare: tokens={total_tokens} sequences={sum(s['rows'] for s in shards)} "
+        f"prepare: read={counts.read} kept={counts.kept} "
+        f"train={splits['train'].documents} val={splits['val'].documents} "
+        f"dropped: {counts.summary()}",
+        flush=True,
+    )
+    print(
+        f"prepare: tokens={total_tokens} rows={rows_tokens // p.seq_len} "
         f"tokens_per_sec={total_tokens / max(elapsed, 1e-9):.0f} "
+        f"padding_pct={packing['padding_pct']} cropped_pct={packing['cropped_pct']} "
         f"fingerprint={manifest['source_fingerprint'][:12]}",
         file=sys.stderr,
+        flush=True,
     )
     return manifest
+
+
+def _combined(stats: list[Any], rows_tokens: int) -> dict[str, float]:
+    total = type(stats[0])()
+    for s in stats:
+        total.tokens += s.tokens
+        total.padding += s.padding
+        total.cropped += s.cropped
+    return dict(total.percentages(rows_tokens))
 
 
 def load_manifest(dataset_dir: str | Path) -> dict[str, Any]:

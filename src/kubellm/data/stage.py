@@ -14,7 +14,14 @@ def prepare_params(cfg: PipelineConfig) -> PrepareParams:
     """The data stage's slice of the pipeline parameters."""
     return PrepareParams(
         source=cfg.data_source,
+        format=cfg.data_format,
         text_field=cfg.text_field,
+        template=cfg.template,
+        tokenizer=cfg.tokenizer,
+        trust_remote_code=cfg.trust_remote_code,
+        packing=cfg.packing,
+        near_dedup=cfg.near_dedup,
+        on_error=cfg.on_error,
         mask_prompt=cfg.mask_prompt,
         num_records=cfg.num_records,
         seed=cfg.seed,

@@ -1,0 +1,488 @@
+"""Read training records from local paths, globs, directories or any fsspec URI, streaming.
+
+Why this shape: prepare_data must take a few hundred GB from object storage as readily as a
+file on a laptop, so every format is read as a stream (JSONL and text line by line, Parquet and
+Arrow batch by batch) and memory stays bounded by one batch or one line, whatever the input
+size. Every record read is counted once in `counts.read`; a record that cannot become text is
+dropped under a reason (or, with `on_error="fail"`, stops the stage naming file and line), so
+the caller's `read = kept + sum(dropped)` always reconciles and nothing disappears silently.
+
+Sources, comma-separated when there are several:
+
+    synthetic                         the built-in arithmetic task (kubellm.data.synthetic)
+    data/train.jsonl                  a file
+    'data/*.jsonl.zst'                a glob (also inside URIs: 's3://bucket/c4/*.jsonl.gz')
+    data/corpus/                      a directory: every file under it, recursively, sorted
+    memory://x.parquet, gs://..., hf://datasets/...   any fsspec filesystem
+
+Formats by extension (or forced with `SourceOptions.format`): .jsonl/.json/.ndjson (optionally
+.gz or .zst), .parquet, .txt (optionally .gz or .zst; a document per file or per line), and a
+Hugging Face `save_to_disk` directory (its .arrow files, in the order its state.json lists).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import posixpath
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+
+from kubellm.data.records import Counts, DataError, OnError, Record
+from kubellm.data.synthetic import arithmetic_records
+from kubellm.data.templates import render_messages, render_prompt_response
+
+Format = Literal["jsonl", "parquet", "text", "hf"]
+
+SYNTHETIC = "synthetic"
+# Rows per Parquet/Arrow batch: large enough to amortize the Python per-batch cost, small
+# enough that a batch of long documents stays in the tens of MB.
+BATCH_ROWS = 1024
+# Compressed bytes fed to the zstd decoder per step. The decoder has no output limit, so this
+# bounds each decoded piece: text compresses 4-10x (tens of KB), repetitive data 100x (~1 MB).
+# Measured: 8 KiB steps decode as fast as 256 KiB ones.
+_ZSTD_STEP = 1 << 13
+
+_FORMATS: dict[str, Format] = {
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".arrow": "hf",
+}
+_COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_ALLOWED = ".jsonl, .json, .ndjson (also .gz, .zst), .parquet, .txt (also .gz, .zst), .arrow"
+# Files `datasets.save_to_disk` writes beside the data; metadata, never records.
+_HF_META = frozenset({"state.json", "dataset_info.json", "dataset_dict.json"})
+_GLOB_CHARS = re.compile(r"[*?\[]")
+# What a failing file raises: OS errors (missing, permission, network), truncated or corrupt
+# compression, and Arrow's "this is not a Parquet/Arrow file".
+_READ_ERRORS = (OSError, EOFError, zstandard.ZstdError, pa.ArrowException)
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """How to read a source and turn its rows into records (config maps onto these fields)."""
+
+    format: Literal["auto", "jsonl", "parquet", "text", "hf"] = "auto"
+    text_field: str = "text"
+    text_mode: Literal["file", "line"] = "file"  # plain text: a document per file, or per line
+    template: Literal["none", "prompt_response", "messages"] = "none"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    messages_field: str = "messages"
+    on_error: OnError = "skip"
+    num_records: int = 20000  # synthetic only
+    seed: int = 0  # synthetic only
+
+
+class _Stream(Protocol):
+    """What the readers need of a byte stream: fsspec files, GzipFile and BufferedReader."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+    def __iter__(self) -> Iterator[bytes]: ...
+
+
+@dataclass(frozen=True)
+class _File:
+    fs: Any  # fsspec.AbstractFileSystem
+    path: str  # the filesystem's own path, for fs.open
+    name: str  # what users see in errors and the file list: their URI form or a local path
+
+
+def source_files(source: str) -> list[str]:
+    """The files `source` resolves to, in reading order (for the fingerprint and for errors).
+
+    `synthetic` contributes no file. Raises DataError for a part that matches no file.
+    """
+    return [f.name for part in _parts(source) if part != SYNTHETIC for f in _resolve(part)]
+
+
+def read_records(source: str, opts: SourceOptions, counts: Counts) -> Iterator[Record]:
+    """Stream the records of `source`, counting each in `counts.read` and every drop by reason.
+
+    The whole source is resolved and every file's format checked before the first record is
+    read, so a typo or a stray README fails in a second, not after hours of reading.
+    """
+    plan: list[tuple[_File, Format, str | None] | None] = []  # None stands for synthetic
+    for part in _parts(source):
+        if part == SYNTHETIC:
+            plan.append(None)
+            continue
+        plan += [(f, *_format_of(f, opts.format)) for f in _resolve(part)]
+    for item in plan:
+        if item is None:
+            yield from _synthetic(opts, counts)
+        else:
+            yield from _read_file(*item, opts, counts)
+
+
+# --- resolving sources to files ---------------------------------------------------------------
+
+
+def _parts(source: str) -> list[str]:
+    parts = [p.strip() for p in source.split(",") if p.strip()]
+    if not parts:
+        raise DataError("data source is empty: give a path, glob, URI or 'synthetic'")
+    return parts
+
+
+def _resolve(part: str) -> list[_File]:
+    """Files of one source part: a file, a glob, or a directory walked recursively."""
+    fs, path = fsspec.core.url_to_fs(part)
+    uri = "://" in part or "::" in part
+    relative = not uri and not os.path.isabs(part)
+
+    def name(p: str) -> str:
+        """The file as the user would write it: a URI stays a URI, a relative path relative."""
+        if uri:
+            return str(fs.unstrip_protocol(p))
+        return os.path.relpath(p) if relative else p
+
+    paths: list[str] = []
+    if _GLOB_CHARS.search(path):
+        # detail=True: the listing says which hits are directories, without a call per file
+        for hit, info in sorted(fs.glob(path, detail=True).items()):
+            paths += _walk(fs, hit) if info.get("type") == "directory" else [hit]
+    elif fs.isdir(path):
+        paths = _walk(fs, path)
+    elif fs.exists(path):
+        paths = [path]
+    paths = list(dict.fromkeys(paths))
+    if not paths:
+        raise DataError(f"data source {part!r} matches no file")
+    return [_File(fs, p, name(p)) for p in paths]
+
+
+def _walk(fs: Any, root: str) -> list[str]:
+    """Every data file under `root`, sorted, the way Arrow and Spark datasets are laid out.
+
+    Skipped, because they are never records: names starting with "." or "_" (`_SUCCESS`,
+    `.crc`, `_temporary/`), and in a `save_to_disk` directory everything but the .arrow files
+    its state.json lists (metadata, and cache files `datasets` leaves beside them).
+    """
+    root = root.rstrip("/")
+    files = sorted(
+        p
+        for p in fs.find(root)
+        if not any(c[:1] in "._" for c in posixpath.relpath(p, root or "/").split("/"))
+    )
+    by_dir: dict[str, list[str]] = {}
+    for p in files:
+        by_dir.setdefault(posixpath.dirname(p), []).append(p)
+    out: list[str] = []
+    for d, names in by_dir.items():
+        state = posixpath.join(d, "state.json")
+        if state in names:
+            out += _hf_data_files(fs, d, state, names)
+        else:
+            out += [p for p in names if posixpath.basename(p) != "dataset_dict.json"]
+    return sorted(out)
+
+
+def _hf_data_files(fs: Any, d: str, state: str, names: list[str]) -> list[str]:
+    """The .arrow files of a saved dataset, in its own order; all .arrow files if unreadable."""
+    arrows = [p for p in names if p.endswith(".arrow")]
+    try:
+        with fs.open(state, "rb") as fh:
+            listed = [posixpath.join(d, f["filename"]) for f in json.load(fh)["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return arrows
+    return listed if all(p in names for p in listed) else arrows
+
+
+def _format_of(f: _File, forced: str) -> tuple[Format, str | None]:
+    """(format, compression) from the file name, or the forced format; DataError if unknown."""
+    base = posixpath.basename(f.path).lower()
+    stem, ext = posixpath.splitext(base)
+    compression = _COMPRESSIONS.get(ext)
+    if compression:
+        ext = posixpath.splitext(stem)[1]
+    fmt: Format | None = _FORMATS.get(ext) if forced == "auto" else forced  # type: ignore[assignment]
+    if fmt is None:
+        raise DataError(
+            f"{f.name}: cannot tell the format from the name; allowed: {_ALLOWED}, or set "
+            "format to one of jsonl, parquet, text, hf (a saved Hugging Face dataset)"
+        )
+    if compression and fmt in ("parquet", "hf"):
+        raise DataError(f"{f.name}: {compression}-compressed {fmt} is not supported")
+    return fmt, compression
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def _synthetic(opts: SourceOptions, counts: Counts) -> Iterator[Record]:
+    for i, r in enumerate(arithmetic_records(opts.num_records, seed=opts.seed), start=1):
+        counts.read += 1
+        yield Record(r["text"], f"{SYNTHETIC}:{i}", r["prompt"], r["completion"])
+
+
+def _read_file(
+    f: _File, fmt: Format, compression: str | None, opts: SourceOptions, counts: Counts
+) -> Iterator[Record]:
+    """One file's records; a file that fails to open or read counts as one unreadable unit.
+
+    Records yielded before a read error stay counted and kept: the error is reported where it
+    happened, and the rest of the file is lost under `unreadable_file`.
+    """
+    units = 0
+    try:
+        with ExitStack() as stack:
+            raw: Any = stack.enter_context(f.fs.open(f.path, "rb"))  # fsspec files are untyped
+            if fmt == "parquet":
+                rows = _parquet_rows(f, raw, opts)
+            elif fmt == "hf":
+                rows = _arrow_rows(f, raw, opts)
+            else:
+                stream = _decompress(raw, compression, stack)
+                rows = _jsonl_rows(f, stream) if fmt == "jsonl" else _text_rows(f, stream, opts)
+            for where, row in rows:
+                units += 1
+                counts.read += 1
+                rec = _to_record(row, where, opts, counts)
+                if rec is not None:
+                    yield rec
+    except DataError:
+        raise
+    except _READ_ERRORS as err:
+        counts.read += 1
+        after = f" (after {units} records)" if units else ""
+        counts.drop("unreadable_file", f.name, opts.on_error, f"{type(err).__name__}: {err}{after}")
+        return
+    if units == 0:
+        counts.read += 1
+        counts.drop("empty_file", f.name, opts.on_error, "no records in the file")
+
+
+# A row is a mapping of fields, or a _Bad telling why the line could not become one.
+@dataclass(frozen=True)
+class _Bad:
+    reason: str  # "" for a line that is not an object: missing_text, or bad_template if templated
+    detail: str
+
+
+Row = Mapping[str, Any] | _Bad
+
+
+def _jsonl_rows(f: _File, stream: _Stream) -> Iterator[tuple[str, Row]]:
+    """One row per non-blank line; a line is decoded alone, so one bad line costs one record."""
+    for lineno, raw in enumerate(stream, start=1):
+        if not raw.strip():
+            continue
+        where = f"{f.name}:{lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield where, _Bad("invalid_utf8", str(err))
+            continue
+        if lineno == 1:
+            line = line.removeprefix("\ufeff")  # a BOM some editors write
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            yield where, _Bad("malformed_json", str(err))
+            continue
+        if not isinstance(obj, dict):
+            yield where, _Bad("", f"the line is a JSON {type(obj).__name__}, not an object")
+            continue
+        yield where, obj
+
+
+def _text_rows(f: _File, stream: _Stream, opts: SourceOptions) -> Iterator[tuple[str, Row]]:
+    """A document per file (the whole file) or per non-blank line, under `text_field`."""
+    if opts.text_mode == "file":
+        data = stream.read()
+        if not data:
+            return
+        try:
+            yield f.name, {opts.text_field: data.decode("utf-8").removeprefix("\ufeff")}
+        except UnicodeDecodeError as err:
+            yield f.name, _Bad("invalid_utf8", str(err))
+        return
+    for lineno, raw in enumerate(stream, start=1):
+        if not raw.strip():
+            continue
+        where = f"{f.name}:{lineno}"
+        try:
+            line = raw.rstrip(b"\r\n").decode("utf-8")
+        except UnicodeDecodeError as err:
+            yield where, _Bad("invalid_utf8", str(err))
+            continue
+        yield where, {opts.text_field: line.removeprefix("\ufeff") if lineno == 1 else line}
+
+
+def _parquet_rows(f: _File, raw: Any, opts: SourceOptions) -> Iterator[tuple[str, Row]]:
+    """Rows read a batch at a time, only the columns the options need."""
+    pf = pq.ParquetFile(raw)
+    names = set(pf.schema_arrow.names)
+    columns = [c for c in _wanted_columns(opts) if c in names]
+    if not columns:  # none of the wanted fields exist: every row is counted as missing them
+        for n in range(pf.metadata.num_rows):
+            yield f"{f.name}:row {n}", {}
+        return
+    batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)
+    yield from _batch_rows(f, batches, columns)
+
+
+def _arrow_rows(f: _File, raw: Any, opts: SourceOptions) -> Iterator[tuple[str, Row]]:
+    """Rows of an Arrow IPC file (`datasets` writes the stream format; Feather v2 also works)."""
+    magic = raw.read(6)
+    raw.seek(0)
+    if magic == b"ARROW1":
+        reader = pa.ipc.open_file(raw)
+        batches: Iterable[pa.RecordBatch] = (
+            reader.get_batch(i) for i in range(reader.num_record_batches)
+        )
+        schema = reader.schema
+    else:
+        stream = pa.ipc.open_stream(raw)
+        batches, schema = stream, stream.schema
+    columns = [c for c in _wanted_columns(opts) if c in set(schema.names)]
+    yield from _batch_rows(f, batches, columns)
+
+
+def _batch_rows(
+    f: _File, batches: Iterable[pa.RecordBatch], columns: list[str]
+) -> Iterator[tuple[str, Row]]:
+    n = 0
+    for batch in batches:
+        values = [batch.column(c).to_pylist() for c in columns]
+        for i in range(batch.num_rows):
+            yield f"{f.name}:row {n}", {c: v[i] for c, v in zip(columns, values, strict=True)}
+            n += 1
+
+
+def _wanted_columns(opts: SourceOptions) -> list[str]:
+    if opts.template == "prompt_response":
+        wanted = [opts.prompt_field, opts.response_field]
+    elif opts.template == "messages":
+        wanted = [opts.messages_field]
+    else:
+        wanted = [opts.text_field, "prompt", "completion"]
+    return list(dict.fromkeys(wanted))
+
+
+def _to_record(row: Row, where: str, opts: SourceOptions, counts: Counts) -> Record | None:
+    """The record a row makes under the options, or None after counting why it cannot."""
+    if isinstance(row, _Bad):
+        reason = row.reason or ("missing_text" if opts.template == "none" else "bad_template")
+        counts.drop(reason, where, opts.on_error, row.detail)
+        return None
+    prompt: Any
+    completion: Any
+    if opts.template == "none":
+        text = row.get(opts.text_field)
+        if not isinstance(text, str):
+            counts.drop("missing_text", where, opts.on_error, _not_string(opts.text_field, text))
+            return None
+        prompt, completion = row.get("prompt"), row.get("completion")
+        if not (isinstance(prompt, str) and isinstance(completion, str)):
+            prompt = completion = None
+    else:
+        try:
+            prompt, completion = _render(row, opts)
+        except ValueError as err:
+            counts.drop("bad_template", where, opts.on_error, str(err))
+            return None
+        text = prompt + completion
+    # JSON "\ud800" escapes decode to lone surrogates, which cannot be encoded to UTF-8 and
+    # would fail the tokenizer far from here; count them where the input is.
+    for s in (text, prompt, completion):
+        if s is not None and not s.isascii():
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as err:
+                counts.drop("invalid_utf8", where, opts.on_error, f"lone surrogate: {err}")
+                return None
+    return Record(text, where, prompt, completion)
+
+
+def _render(row: Mapping[str, Any], opts: SourceOptions) -> tuple[str, str]:
+    """(prompt, completion) under the template; ValueError says what is wrong with the row."""
+    if opts.template == "messages":
+        return render_messages(row.get(opts.messages_field))
+    prompt, response = row.get(opts.prompt_field), row.get(opts.response_field)
+    if not isinstance(prompt, str):
+        raise ValueError(_not_string(opts.prompt_field, prompt))
+    if not isinstance(response, str):
+        raise ValueError(_not_string(opts.response_field, response))
+    return render_prompt_response(prompt, response)
+
+
+def _not_string(name: str, value: Any) -> str:
+    if value is None:
+        return f"field {name!r} is missing"
+    return f"field {name!r} is {type(value).__name__}, not a string"
+
+
+# --- decompression -------------------------------------------------------------------------
+
+
+def _decompress(raw: Any, compression: str | None, stack: ExitStack) -> _Stream:
+    """A buffered byte stream of the decoded file, read lazily (never the whole file)."""
+    if compression == "gzip":
+        gz = gzip.GzipFile(fileobj=raw, mode="rb")
+        stack.callback(gz.close)
+        return gz
+    if compression == "zstd":
+        zst = io.BufferedReader(_ZstdReader(raw), 1 << 16)
+        stack.callback(zst.close)
+        return zst
+    return raw
+
+
+class _ZstdReader(io.RawIOBase):
+    """Streaming zstd decoding that, unlike zstandard's stream_reader, reports truncation.
+
+    zstandard's stream_reader returns a cut-off file's prefix as if it were the whole file,
+    which would drop the rest of a truncated upload silently. Here a stream that ends inside a
+    frame raises EOFError (as gzip does), and concatenated frames (`zstd -c a >> f`) are read
+    through.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self._raw = raw
+        self._dctx = zstandard.ZstdDecompressor()
+        self._obj = self._dctx.decompressobj()
+        self._in_frame = False
+        self._buf = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self._buf:
+            data = self._raw.read(_ZSTD_STEP)
+            if not data:
+                if self._in_frame:
+                    raise EOFError("zstd stream ended inside a frame (truncated file)")
+                return 0
+            self._buf = memoryview(self._feed(data))
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]  # a view: no copy of the rest of the chunk
+        return n
+
+    def _feed(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            out.append(self._obj.decompress(data))
+            self._in_frame = not self._obj.eof
+            if self._in_frame:
+                break
+            data = self._obj.unused_data
+            self._obj = self._dctx.decompressobj()
+        return b"".join(out)
