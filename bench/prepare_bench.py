@@ -422,6 +422,8 @@ def report(
             f"\n**Note:** prepare kept {m['records']['kept']:,} records, the corpus generator "
             f"expects {small.kept:,}; the floor and the peer tokenize the generator's set.\n"
         )
+    g1 = (mem1["vmhwm_kib"] - mem1["baseline_kib"]) / 1024
+    gn = (mem_n["vmhwm_kib"] - mem_n["baseline_kib"]) / 1024
     machine = "\n".join(f"| {k} | {v} |" for k, v in info.items())
     md = f"""# prepare_data benchmark
 
@@ -457,6 +459,9 @@ Tokenizer in prepare_data: {tp["mode"]}.
 | seconds | tokens/s |
 |---|---:|---:|---:|---:|---:|---:|---:|
 {chr(10).join(mem_rows)}
+
+Growth above the RSS after imports: {g1:,.0f} MiB at 1×, {gn:,.0f} MiB at {s:g}× \
+(ratio {gn / max(g1, 1e-9):.2f}; informational, the target is on the whole peak).
 
 ## What is compared
 

@@ -65,3 +65,10 @@ def test_each_command_has_help(command: str, capsys) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert f"kubellm {command}" in out and len(out.splitlines()) > 3
+
+
+def test_prepare_bad_source_is_one_line(tmp_path, capsys) -> None:
+    code = main(["prepare", str(tmp_path / "ds"), "--set", f"data_source={tmp_path}/none-*.jsonl"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "matches no file" in err[0]

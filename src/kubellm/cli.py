@@ -30,6 +30,7 @@ from kubellm.config import (
     pipeline_config,
     validate,
 )
+from kubellm.data.records import DataError
 
 DEFAULT_PIPELINE = "pipelines/llm_train.yaml"
 
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
             serve(args.model_dir, args.name, args.host, args.port, args.trust_remote_code)
             return 0
-    except ConfigError as err:
+    except (ConfigError, DataError) as err:
         print(f"kubellm: error: {err}", file=sys.stderr)
         return 2
     return 2

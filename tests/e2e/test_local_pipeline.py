@@ -154,7 +154,7 @@ def test_a_failing_stage_fails_the_run_with_its_reason(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert ": FAILED" in proc.stdout and "pipeline FAILED" in proc.stdout
-    assert "prepare_data: data_source" in proc.stdout and "matches no file" in proc.stdout
+    assert "prepare_data: data source" in proc.stdout and "matches no file" in proc.stdout
     client = _client(tmp_path)
     [parent] = client.search_runs(
         [client.get_experiment_by_name("kubellm").experiment_id],

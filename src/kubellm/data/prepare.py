@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import string
 import sys
 import time
 import unicodedata
@@ -48,6 +49,9 @@ MANIFEST = "manifest.json"
 MAX_LISTED_FILES = 1000  # in the manifest; the count is always complete
 MAX_EXAMPLES = 10_000  # held-out prompt/completion pairs kept for task metrics
 _WS = re.compile(r"[ \t\r\f\v]+")
+_WS_MARKERS = ("  ", "\t", "\r", "\f", "\v", " \n", "\n ")  # anything normalize would change
+_PLAIN_RUNS = re.compile(r"[^\W_]+|\s+")  # letters and digits (any script), or whitespace
+_ASCII_PLAIN = (string.ascii_letters + string.digits + string.whitespace).encode()
 
 
 @dataclass
@@ -92,7 +96,10 @@ class PrepareParams:
 
 def normalize(text: str) -> str:
     """Unicode NFC, runs of horizontal whitespace folded, lines stripped."""
-    text = unicodedata.normalize("NFC", text)
+    if not unicodedata.is_normalized("NFC", text):
+        text = unicodedata.normalize("NFC", text)
+    if not any(ws in text for ws in _WS_MARKERS):  # the common case: a C scan, no regex
+        return text.strip()
     if "\n" not in text:
         return _WS.sub(" ", text).strip()
     return "\n".join(_WS.sub(" ", line).strip() for line in text.splitlines()).strip()
@@ -113,9 +120,14 @@ def _is_val(key: bytes, val_fraction: float) -> bool:
 
 
 def symbol_ratio(text: str) -> float:
-    """Share of characters that are not letters, digits or whitespace (markup, boilerplate)."""
-    plain = sum(c.isalnum() or c.isspace() for c in text)
-    return 1.0 - plain / max(len(text), 1)
+    """Share of characters that are not letters, digits or whitespace (markup, boilerplate).
+
+    A regex that deletes the word and space runs counts the rest in C; a per-character
+    Python loop would cost more than tokenizing.
+    """
+    if text.isascii():
+        return len(text.encode("ascii").translate(None, _ASCII_PLAIN)) / max(len(text), 1)
+    return len(_PLAIN_RUNS.sub("", text)) / max(len(text), 1)
 
 
 def repeated_line_ratio(text: str) -> float:
