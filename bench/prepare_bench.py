@@ -275,10 +275,23 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, value
 
 
+def warm_imports(tokenizer_dir: Path) -> None:
+    """Import what the contenders import (loading the tokenizer pulls in torch), untimed."""
+    import datasets  # noqa: F401
+    import numpy  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+    from transformers import AutoTokenizer
+
+    import kubellm.data.prepare  # noqa: F401
+
+    _quiet(lambda: AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+
+
 def measure_throughput(
     corpus: Corpus, tokenizer_dir: Path, work: Path, repeats: int, floor_batch: int
 ) -> dict[str, Any]:
     texts = kept_texts(corpus)
+    warm_imports(tokenizer_dir)
     floor, ours, peer = Runs("encode_batch"), Runs("prepare_data"), Runs("datasets.map")
     manifest: dict[str, Any] = {}
     mode = ""
@@ -407,6 +420,13 @@ def report(
             f"| {_fmt(rate(runs))} | {runs.tokens:,} |"
         )
     n = len(ours.seconds)
+    paired = []
+    for ref_runs in (floor, peer):
+        rs = [b / a for a, b in zip(ours.seconds, ref_runs.seconds, strict=True)]
+        paired.append(
+            f"vs {ref_runs.name} {', '.join(f'{r:.2f}' for r in rs)} "
+            f"(median {statistics.median(rs):.2f})"
+        )
     header = " | ".join(f"run {i + 1}" for i in range(n))
     mem_rows = []
     for label, c, mm in (("1×", small, mem1), (f"{s:g}×", big, mem_n)):
@@ -441,10 +461,10 @@ Issue 3's three targets, measured on one generated corpus in one run on this mac
 Throughput is reference tokens per second, best of {n} interleaved runs: the
 {ref:,} token ids `encode_batch` produces for the {small.kept:,} documents prepare keeps from
 the {small.size_bytes / MIB:.1f} MiB corpus, divided by each contender's wall time (so
-each ratio is a ratio of times on the same work). Peak memory is the VmHWM of a fresh
-`python -m bench.prepare_bench --child` process running prepare alone, read from
-/proc/self/status (`getrusage(RUSAGE_CHILDREN)` is not used: on Linux it also counts the
-parent's memory that the child had before `exec`).
+each ratio is a ratio of times on the same work); module imports are done before timing.
+Peak memory is the VmHWM of a fresh `python -m bench.prepare_bench --child` process
+running prepare alone, read from /proc/self/status (`getrusage(RUSAGE_CHILDREN)` is not
+used: on Linux it also counts the parent's memory that the child had before `exec`).
 Tokenizer in prepare_data: {tp["mode"]}.
 {kept_note}
 ## Runs (seconds, wall)
@@ -452,6 +472,9 @@ Tokenizer in prepare_data: {tp["mode"]}.
 | contender | {header} | best | median | tokens/s (best) | own token count |
 |---|{"---:|" * n}---:|---:|---:|---:|
 {chr(10).join(runs_rows)}
+
+Ratios within each repeat (runs seconds apart; a check on the machine's noise):
+{"; ".join(paired)}.
 
 ## Peak memory (prepare_data in a fresh process)
 
@@ -496,9 +519,9 @@ Growth above the RSS after imports: {g1:,.0f} MiB at 1×, {gn:,.0f} MiB at {s:g}
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size-mb", type=float, default=20.0, help="1× corpus, MiB (default 20)")
-    ap.add_argument("--scale", type=float, default=10.0, help="memory check: scale× vs 1×")
-    ap.add_argument("--repeats", type=int, default=3, help="throughput runs each; best is used")
+    ap.add_argument("--size-mb", type=float, help="1× corpus, MiB (default 20; quick 1)")
+    ap.add_argument("--scale", type=float, help="memory: scale× vs 1× (default 10; quick 3)")
+    ap.add_argument("--repeats", type=int, help="runs each, best used (default 3; quick 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/benchmarks-prepare.md", help="markdown report")
     ap.add_argument("--json", default="", help="also write the figures as JSON here")
@@ -511,8 +534,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.quick:
-        args.size_mb, args.scale, args.repeats = 1.0, 3.0, 1
+    for name, full, quick in (("size_mb", 20.0, 1.0), ("scale", 10.0, 3.0), ("repeats", 3, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     return args
 
 

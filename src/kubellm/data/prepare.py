@@ -50,8 +50,9 @@ MAX_LISTED_FILES = 1000  # in the manifest; the count is always complete
 MAX_EXAMPLES = 10_000  # held-out prompt/completion pairs kept for task metrics
 _WS = re.compile(r"[ \t\r\f\v]+")
 _WS_MARKERS = ("  ", "\t", "\r", "\f", "\v", " \n", "\n ")  # anything normalize would change
-_PLAIN_RUNS = re.compile(r"[^\W_]+|\s+")  # letters and digits (any script), or whitespace
-_ASCII_PLAIN = (string.ascii_letters + string.digits + string.whitespace).encode()
+_NOT_SYMBOL_BYTES = (string.ascii_letters + string.digits + string.whitespace).encode() + bytes(
+    range(128, 256)
+)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class PrepareParams:
     near_dedup: bool = False
     near_dedup_threshold: float = 0.8
     shard_rows: int = 65_536
-    batch_records: int = 4096
+    batch_records: int = 1024
     on_error: str = "skip"  # or "fail"
     progress_s: float = 10.0
 
@@ -120,14 +121,14 @@ def _is_val(key: bytes, val_fraction: float) -> bool:
 
 
 def symbol_ratio(text: str) -> float:
-    """Share of characters that are not letters, digits or whitespace (markup, boilerplate).
+    """Share of characters that are ASCII punctuation or symbols (markup, boilerplate).
 
-    A regex that deletes the word and space runs counts the rest in C; a per-character
-    Python loop would cost more than tokenizing.
+    Counted in C: the UTF-8 bytes minus ASCII letters, digits, whitespace and every
+    non-ASCII byte. Non-ASCII characters count as plain (most are letters in some script);
+    a per-character Python loop would cost more than tokenizing.
     """
-    if text.isascii():
-        return len(text.encode("ascii").translate(None, _ASCII_PLAIN)) / max(len(text), 1)
-    return len(_PLAIN_RUNS.sub("", text)) / max(len(text), 1)
+    raw = text.encode("utf-8", "surrogatepass")
+    return len(raw.translate(None, _NOT_SYMBOL_BYTES)) / max(len(text), 1)
 
 
 def repeated_line_ratio(text: str) -> float:
@@ -199,13 +200,15 @@ def _tokenize(tokenizer: Any, records: list[Record], mask_prompt: bool) -> list[
     boundary is exact; plain text is one part, all targets.
     """
     backend = tokenizer.backend_tokenizer
+    # encode_batch_fast: the same ids as encode_batch, without computing character offsets
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
     split = [mask_prompt and r.is_pair for r in records]
-    whole = backend.encode_batch(
+    whole = encode(
         [r.text for r, s in zip(records, split, strict=True) if not s], add_special_tokens=False
     )
     pairs = [r for r, s in zip(records, split, strict=True) if s]
-    prompts = backend.encode_batch([r.prompt for r in pairs], add_special_tokens=False)
-    answers = backend.encode_batch([r.completion for r in pairs], add_special_tokens=False)
+    prompts = encode([r.prompt for r in pairs], add_special_tokens=False)
+    answers = encode([r.completion for r in pairs], add_special_tokens=False)
     out: list[Doc] = []
     it_whole, it_p, it_a = iter(whole), iter(prompts), iter(answers)
     for s in split:
