@@ -47,6 +47,10 @@ format: $(STAMP) ## Apply ruff fixes and formatting
 compile: $(STAMP) ## Recompile pipelines/*.yaml from pipelines/*.py
 	$(BIN)/kubellm compile
 
+.PHONY: bench
+bench: $(STAMP) ## Benchmarks (prepare_data vs encode_batch and datasets.map; memory 10x vs 1x) -> docs/
+	$(BIN)/python -m bench.prepare_bench --size-mb 20 --scale 10 --repeats 3 --out docs/benchmarks-prepare.md $(ARGS)
+
 .PHONY: mlflow-ui
 mlflow-ui: $(STAMP) ## Open the MLflow UI on the local results (127.0.0.1:5000)
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///runs/mlflow.db --host 127.0.0.1 --port 5000

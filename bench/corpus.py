@@ -331,9 +331,10 @@ def ensure_corpus(cache_dir: str | Path, size_mb: float, seed: int = 0) -> Corpu
     return Corpus(path, kept_path, **meta)
 
 
-def kept_texts(corpus: Corpus) -> list[str]:
+def kept_texts(kept: Corpus | str | Path) -> list[str]:
     """The kept documents' texts, in input order (what prepare tokenizes)."""
-    with open(corpus.kept_path, encoding="utf-8") as fh:
+    path = kept.kept_path if isinstance(kept, Corpus) else Path(kept)
+    with open(path, encoding="utf-8") as fh:
         return [json.loads(line)["text"] for line in fh]
 
 

@@ -200,7 +200,11 @@ def _quiet(fn: Callable[[], Any]) -> Any:
         raise
 
 
-# --- the memory child ----------------------------------------------------------------------
+# --- the child processes -------------------------------------------------------------------
+#
+# Every timed run and every memory measurement runs in a fresh process: a run that follows
+# another in the same interpreter inherits its heap and thread pools (prepare_data measured
+# 15-25 % slower right after a datasets run in the same process).
 
 
 def _proc_status_kib(key: str) -> int:
@@ -211,44 +215,68 @@ def _proc_status_kib(key: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
 
 
-def child_main(args: argparse.Namespace) -> int:
-    """One prepare run in a fresh process; prints its peak RSS as one tagged JSON line."""
-    import kubellm.data.prepare  # noqa: F401  (imports count in the baseline, not the run)
+def warm_imports(tokenizer_dir: Path) -> None:
+    """Import what the contenders import (loading the tokenizer pulls in torch), untimed."""
+    import datasets  # noqa: F401
+    import numpy  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+    from transformers import AutoTokenizer
 
-    baseline = _proc_status_kib("VmRSS")
-    t0 = time.perf_counter()
-    manifest, mode = _quiet(
-        lambda: run_prepare(Path(args.source), Path(args.out_dir), Path(args.tokenizer_dir))
-    )
-    seconds = time.perf_counter() - t0
-    result = {
-        "vmhwm_kib": _proc_status_kib("VmHWM"),
-        "baseline_kib": baseline,
-        "seconds": seconds,
-        "tokens": manifest["tokens"]["train"] + manifest["tokens"]["val"],
-        "kept": manifest["records"]["kept"],
-        "tokenizer_mode": mode,
-    }
+    import kubellm.data.prepare  # noqa: F401
+
+    _quiet(lambda: AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """One run in this fresh process; prints its figures as one tagged JSON line.
+
+    memory: prepare_data alone after importing kubellm (its peak RSS is the figure);
+    ours, floor, peer: one timed run after the imports (and, for the floor, the texts).
+    """
+    tok_dir, out_dir = Path(args.tokenizer_dir), Path(args.out_dir)
+    result: dict[str, Any] = {}
+    if args.child == "memory":
+        import kubellm.data.prepare  # noqa: F401  (imports count in the baseline, not the run)
+
+        result["baseline_kib"] = _proc_status_kib("VmRSS")
+    else:
+        warm_imports(tok_dir)
+    if args.child in ("memory", "ours"):
+        t0 = time.perf_counter()
+        manifest, mode = _quiet(lambda: run_prepare(Path(args.source), out_dir, tok_dir))
+        seconds = time.perf_counter() - t0
+        tokens = manifest["tokens"]["train"] + manifest["tokens"]["val"]
+        result.update(kept=manifest["records"]["kept"], tokenizer_mode=mode)
+    elif args.child == "floor":
+        texts = kept_texts(Path(args.source))
+        t0 = time.perf_counter()
+        tokens = run_floor(tok_dir, texts, args.floor_batch)
+        seconds = time.perf_counter() - t0
+    elif args.child == "peer":
+        t0 = time.perf_counter()
+        tokens = _quiet(lambda: run_peer(Path(args.source), tok_dir, out_dir))
+        seconds = time.perf_counter() - t0
+    else:
+        raise SystemExit(f"unknown child {args.child!r}")
+    result.update(seconds=seconds, tokens=tokens, vmhwm_kib=_proc_status_kib("VmHWM"))
     print(CHILD_TAG + json.dumps(result), flush=True)
     return 0
 
 
-def measure_memory(corpus: Corpus, tokenizer_dir: Path, work: Path) -> dict[str, Any]:
-    out_dir = Path(tempfile.mkdtemp(dir=work, prefix="mem-"))
-    cmd = [sys.executable, "-m", "bench.prepare_bench", "--child"]
-    cmd += ["--source", str(corpus.path), "--tokenizer-dir", str(tokenizer_dir)]
-    cmd += ["--out-dir", str(out_dir)]
+def run_child(kind: str, source: Path, tokenizer_dir: Path, work: Path, floor_batch: int) -> Any:
+    """Run `python -m bench.prepare_bench --child KIND ...`; returns its figures."""
+    out_dir = Path(tempfile.mkdtemp(dir=work, prefix=f"{kind}-"))
+    cmd = [sys.executable, "-m", "bench.prepare_bench", "--child", kind, "--source", str(source)]
+    cmd += ["--tokenizer-dir", str(tokenizer_dir), "--out-dir", str(out_dir)]
+    cmd += ["--floor-batch", str(floor_batch)]
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"memory child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{kind} child failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     line = next(ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith(CHILD_TAG))
-    result: dict[str, Any] = json.loads(line[len(CHILD_TAG) :])
-    # cross-check: the largest RSS of any child waited for so far (KiB on Linux)
-    result["children_maxrss_kib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return result
+    return json.loads(line[len(CHILD_TAG) :])
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -269,69 +297,33 @@ class Runs:
         return statistics.median(self.seconds)
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - t0, value
-
-
-def warm_imports(tokenizer_dir: Path) -> None:
-    """Import what the contenders import (loading the tokenizer pulls in torch), untimed."""
-    import datasets  # noqa: F401
-    import numpy  # noqa: F401
-    import pyarrow.parquet  # noqa: F401
-    from transformers import AutoTokenizer
-
-    import kubellm.data.prepare  # noqa: F401
-
-    _quiet(lambda: AutoTokenizer.from_pretrained(str(tokenizer_dir)))
-
-
 def measure_throughput(
     corpus: Corpus, tokenizer_dir: Path, work: Path, repeats: int, floor_batch: int
 ) -> dict[str, Any]:
-    texts = kept_texts(corpus)
-    warm_imports(tokenizer_dir)
     floor, ours, peer = Runs("encode_batch"), Runs("prepare_data"), Runs("datasets.map")
-    manifest: dict[str, Any] = {}
-    mode = ""
-
-    def do_floor() -> None:
-        s, floor.tokens = _timed(lambda: run_floor(tokenizer_dir, texts, floor_batch))
-        floor.seconds.append(s)
-
-    def do_ours() -> None:
-        nonlocal manifest, mode
-        out_dir = Path(tempfile.mkdtemp(dir=work, prefix="ours-"))
-        try:
-            s, (manifest, mode) = _timed(
-                lambda: _quiet(lambda: run_prepare(corpus.path, out_dir, tokenizer_dir))
-            )
-        finally:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        ours.seconds.append(s)
-        ours.tokens = manifest["tokens"]["train"] + manifest["tokens"]["val"]
-
-    def do_peer() -> None:
-        peer_dir = Path(tempfile.mkdtemp(dir=work, prefix="peer-"))
-        try:
-            s, peer.tokens = _timed(
-                lambda: _quiet(lambda: run_peer(corpus.kept_path, tokenizer_dir, peer_dir))
-            )
-        finally:
-            shutil.rmtree(peer_dir, ignore_errors=True)
-        peer.seconds.append(s)
-
-    steps = [do_floor, do_ours, do_peer]
+    sources = {"floor": corpus.kept_path, "ours": corpus.path, "peer": corpus.kept_path}
+    runs = {"floor": floor, "ours": ours, "peer": peer}
+    last: dict[str, Any] = {}
+    kinds = ["floor", "ours", "peer"]
     for r in range(repeats):  # interleaved; the order rotates so no one always goes first
-        for step in steps[r % 3 :] + steps[: r % 3]:
-            step()
+        for kind in kinds[r % 3 :] + kinds[: r % 3]:
+            result = run_child(kind, sources[kind], tokenizer_dir, work, floor_batch)
+            runs[kind].seconds.append(result["seconds"])
+            runs[kind].tokens = result["tokens"]
+            if kind == "ours":
+                last = result
         print(
             f"  repeat {r + 1}/{repeats}: encode_batch {floor.seconds[-1]:.2f}s, "
             f"prepare_data {ours.seconds[-1]:.2f}s, datasets.map {peer.seconds[-1]:.2f}s",
             flush=True,
         )
-    return {"floor": floor, "ours": ours, "peer": peer, "manifest": manifest, "mode": mode}
+    return {
+        "floor": floor,
+        "ours": ours,
+        "peer": peer,
+        "last_ours": last,
+        "mode": last["tokenizer_mode"],
+    }
 
 
 def machine_info() -> dict[str, str]:
@@ -411,7 +403,6 @@ def report(
             f"| {_verdict(r_mem <= TARGET_MEMORY)} |",
         ]
     )
-    m = tp["manifest"]
     runs_rows = []
     for runs in (ours, floor, peer):
         cells = " | ".join(f"{x:.2f}" for x in runs.seconds)
@@ -437,9 +428,9 @@ def report(
             f"| {_fmt(mm['tokens'] / mm['seconds'])} |"
         )
     kept_note = ""
-    if m["records"]["kept"] != small.kept:
+    if tp["last_ours"]["kept"] != small.kept:
         kept_note = (
-            f"\n**Note:** prepare kept {m['records']['kept']:,} records, the corpus generator "
+            f"\n**Note:** prepare kept {tp['last_ours']['kept']:,} records, the corpus generator "
             f"expects {small.kept:,}; the floor and the peer tokenize the generator's set.\n"
         )
     g1 = (mem1["vmhwm_kib"] - mem1["baseline_kib"]) / 1024
@@ -458,11 +449,12 @@ Issue 3's three targets, measured on one generated corpus in one run on this mac
 
 {table}
 
-Throughput is reference tokens per second, best of {n} interleaved runs: the
+Throughput is reference tokens per second, best of {n} interleaved runs, each in a fresh
+process with its imports done before the clock starts: the
 {ref:,} token ids `encode_batch` produces for the {small.kept:,} documents prepare keeps from
 the {small.size_bytes / MIB:.1f} MiB corpus, divided by each contender's wall time (so
-each ratio is a ratio of times on the same work); module imports are done before timing.
-Peak memory is the VmHWM of a fresh `python -m bench.prepare_bench --child` process
+each ratio is a ratio of times on the same work).
+Peak memory is the VmHWM of a fresh `python -m bench.prepare_bench --child memory` process
 running prepare alone, read from /proc/self/status (`getrusage(RUSAGE_CHILDREN)` is not
 used: on Linux it also counts the parent's memory that the child had before `exec`).
 Tokenizer in prepare_data: {tp["mode"]}.
@@ -529,7 +521,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--floor-batch", type=int, default=4096, help="documents per encode_batch")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat (smoke test)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("memory", "ours", "floor", "peer"), help=argparse.SUPPRESS)
     ap.add_argument("--source", help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", help=argparse.SUPPRESS)
@@ -560,8 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"throughput: {args.repeats} interleaved repeat(s) on {small.path.name}", flush=True)
     tp = measure_throughput(small, tokenizer_dir, work, args.repeats, args.floor_batch)
     print("peak memory: fresh prepare processes at 1× and scale×", flush=True)
-    mem1 = measure_memory(small, tokenizer_dir, work)
-    mem_n = measure_memory(big, tokenizer_dir, work)
+    mem1 = run_child("memory", small.path, tokenizer_dir, work, args.floor_batch)
+    mem_n = run_child("memory", big.path, tokenizer_dir, work, args.floor_batch)
 
     table, md, ratios = report(args, small, big, tp, mem1, mem_n, machine_info(), command)
     out = Path(args.out)

@@ -49,7 +49,6 @@ MANIFEST = "manifest.json"
 MAX_LISTED_FILES = 1000  # in the manifest; the count is always complete
 MAX_EXAMPLES = 10_000  # held-out prompt/completion pairs kept for task metrics
 _WS = re.compile(r"[ \t\r\f\v]+")
-_WS_MARKERS = ("  ", "\t", "\r", "\f", "\v", " \n", "\n ")  # anything normalize would change
 _NOT_SYMBOL_BYTES = (string.ascii_letters + string.digits + string.whitespace).encode() + bytes(
     range(128, 256)
 )
@@ -99,11 +98,24 @@ def normalize(text: str) -> str:
     """Unicode NFC, runs of horizontal whitespace folded, lines stripped."""
     if not unicodedata.is_normalized("NFC", text):
         text = unicodedata.normalize("NFC", text)
-    if not any(ws in text for ws in _WS_MARKERS):  # the common case: a C scan, no regex
+    if not _needs_folding(text):  # the common case: C scans, no regex
         return text.strip()
     if "\n" not in text:
         return _WS.sub(" ", text).strip()
     return "\n".join(_WS.sub(" ", line).strip() for line in text.splitlines()).strip()
+
+
+def _needs_folding(text: str) -> bool:
+    """Anything `normalize` would change besides the outer strip (unrolled `in` scans)."""
+    return (
+        "  " in text
+        or "\t" in text
+        or "\r" in text
+        or "\f" in text
+        or "\v" in text
+        or " \n" in text
+        or "\n " in text
+    )
 
 
 def digest(text: str) -> bytes:
