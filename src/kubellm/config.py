@@ -69,6 +69,16 @@ class TrainConfig(_Strict):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto picks nccl on GPUs, gloo on CPU."
     )
+    checkpoint_dir: str = Field(
+        "", description="Where DCP checkpoints go; empty: no checkpoints, no resume."
+    )
+    checkpoint_every: int = Field(
+        0, ge=0, description="Checkpoint every N steps (0: only at stop)."
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Complete checkpoints kept (newest).")
+    stop_after: int = Field(
+        0, ge=0, description="Checkpoint and stop after this step (0: run all steps); for drills."
+    )
     mlflow_tracking_uri: str = Field("", description="MLflow tracking URI; empty disables logging.")
     mlflow_run_id: str = Field("", description="MLflow run to log metrics to (rank 0 only).")
 

@@ -28,6 +28,7 @@ from kubellm.data.prepare import DataError, load_manifest
 from kubellm.data.tokenizer import load_tokenizer
 from kubellm.jobs import format_metrics
 from kubellm.model import build_model
+from kubellm.train import checkpoint
 
 
 def load_config(argv: list[str] | None = None) -> TrainConfig:
@@ -194,10 +195,17 @@ def _train(
     per_rank = cfg.batch_size // world
     tokens_per_step = cfg.batch_size * data.shape[2]
     last: dict[str, float] = {}
+    start = 0
+    if cfg.checkpoint_dir:
+        resumed = checkpoint.load_latest(cfg.checkpoint_dir, ddp, opt, sched)
+        if resumed is not None:
+            start = resumed.step
+            if rank == 0:
+                print(f"train: resumed from {resumed.path} at step {start}", flush=True)
     window_t = time.perf_counter()
     window_steps = 0
     ddp.train()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         idx = batch_indices(data.shape[1], step, cfg.batch_size, cfg.seed)
         x, y = data[:, idx[rank * per_rank : (rank + 1) * per_rank]].to(device)
         loss = ddp(input_ids=x, labels=y).loss
@@ -222,6 +230,19 @@ def _train(
             if rank == 0:
                 _emit(last, sink, step + 1)
             window_t, window_steps = time.perf_counter(), 0
+        done = step + 1
+        stopping = cfg.stop_after and done == cfg.stop_after
+        periodic = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
+        if cfg.checkpoint_dir and (stopping or periodic):
+            path = checkpoint.save(
+                cfg.checkpoint_dir, done, ddp, opt, sched, rank, cfg.keep_checkpoints
+            )
+            if rank == 0:
+                print(f"train: checkpoint {path}", flush=True)
+        if stopping:
+            if rank == 0:
+                print(f"train: stopped after step {done} (stop_after)", flush=True)
+            return {"train_loss": last.get("loss", float("nan")), "stopped_at": float(done)}
 
     eval_loss = evaluate_loss(model, val, cfg.eval_batches, per_rank, rank, world, device)
     final = {
