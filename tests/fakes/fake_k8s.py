@@ -26,14 +26,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from kubernetes import client as k8s
 
-from .http_fake import LoopbackFake
+from .http_fake import JsonHandler, LoopbackFake
 from .k8s_schemas import Validator, crds_dir, validators
 
 
@@ -399,7 +398,7 @@ class FakeK8s(LoopbackFake):
             return 200, copy.deepcopy(self._pods[(ns, name)])
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     protocol_version = "HTTP/1.1"
     fake: FakeK8s
 
@@ -418,21 +417,7 @@ class _Handler(BaseHTTPRequestHandler):
         code, out = self.fake.handle(self.command, self.path, body)
         self._send(code, out)
 
-    def _send(self, code: int, body: Any) -> None:
-        if isinstance(body, str):
-            data, ctype = body.encode(), "text/plain"
-        else:
-            data, ctype = json.dumps(body).encode(), "application/json"
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet: the recorded requests are the log."""
 
 
 FakeK8s.handler = _Handler

@@ -42,7 +42,6 @@ import threading
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler
 from typing import Any, NoReturn
 from urllib.parse import parse_qs, urlsplit
 
@@ -50,7 +49,7 @@ import kfp_server_api
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from .http_fake import LoopbackFake
+from .http_fake import JsonHandler, LoopbackFake
 
 API = "/apis/v2beta1"
 
@@ -356,7 +355,7 @@ class FakeKfp(LoopbackFake):
         return copy.deepcopy(run)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(JsonHandler):
     protocol_version = "HTTP/1.1"
     fake: FakeKfp
 
@@ -369,17 +368,9 @@ class _Handler(BaseHTTPRequestHandler):
             code, out = 400, {"error": "not JSON", "code": 3, "message": "not JSON", "details": []}
         else:
             code, out = self.fake.handle(self.command, self.path, body)
-        data = json.dumps(out).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._send(code, out)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet: the recorded requests are the log."""
 
 
 FakeKfp.handler = _Handler

@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """Replies as a JSON API does; quiet, since the fakes record every request themselves."""
+
+    def _send(self, code: int, body: Any) -> None:
+        if isinstance(body, str):
+            data, ctype = body.encode(), "text/plain"
+        else:
+            data, ctype = json.dumps(body).encode(), "application/json"
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: the recorded requests are the log."""
 
 
 class LoopbackFake:
