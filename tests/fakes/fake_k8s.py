@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import re
 import threading
 from collections.abc import Callable
@@ -403,10 +402,8 @@ class _Handler(JsonHandler):
     fake: FakeK8s
 
     def _serve(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
         try:
-            body = json.loads(raw) if raw else None
+            body = self._read_json()
         except ValueError:
             self._send(400, status_body(400, "BadRequest", "the body is not JSON"))
             return

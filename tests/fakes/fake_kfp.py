@@ -360,10 +360,8 @@ class _Handler(JsonHandler):
     fake: FakeKfp
 
     def _serve(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
         try:
-            body = json.loads(raw) if raw else None
+            body = self._read_json()
         except ValueError:
             code, out = 400, {"error": "not JSON", "code": 3, "message": "not JSON", "details": []}
         else:

@@ -11,6 +11,12 @@ from typing import Any, ClassVar
 class JsonHandler(BaseHTTPRequestHandler):
     """Replies as a JSON API does; quiet, since the fakes record every request themselves."""
 
+    def _read_json(self) -> Any:
+        """The request body as JSON (None when empty); ValueError when it is not JSON."""
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        return json.loads(raw) if raw else None
+
     def _send(self, code: int, body: Any) -> None:
         if isinstance(body, str):
             data, ctype = body.encode(), "text/plain"

@@ -15,7 +15,6 @@ A document is (ids, n_prompt): its first n_prompt tokens are not training target
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,8 +146,3 @@ def make_packer(strategy: str, seq_len: int, eos: int, pad: int) -> ConcatPacker
     if strategy == "best_fit":
         return BestFitPacker(seq_len, eos, pad)
     raise ValueError(f"packing={strategy!r}: allowed 'concat', 'best_fit'")
-
-
-def iter_rows(rows: Rows, chunk: int) -> Iterator[Rows]:
-    for start in range(0, len(rows), chunk):
-        yield Rows(rows.ids[start : start + chunk], rows.mask[start : start + chunk])

@@ -38,7 +38,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kubellm.data.minhash import NearDuplicates
-from kubellm.data.packing import BestFitPacker, ConcatPacker, Doc, Rows, make_packer
+from kubellm.data.packing import (
+    BestFitPacker,
+    ConcatPacker,
+    Doc,
+    PackStats,
+    Rows,
+    make_packer,
+)
 from kubellm.data.records import Counts, DataError, Record
 from kubellm.data.sources import SourceOptions, read_records, source_files
 from kubellm.data.tokenizer import load_tokenizer, train_bpe
@@ -472,8 +479,8 @@ def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _combined(stats: list[Any], rows_tokens: int) -> dict[str, float]:
-    total = type(stats[0])()
+def _combined(stats: list[PackStats], rows_tokens: int) -> dict[str, float]:
+    total = PackStats()
     for s in stats:
         total.tokens += s.tokens
         total.padding += s.padding
