@@ -44,6 +44,19 @@ class ModelConfig(_Strict):
         return self
 
 
+class LoraSettings(_Strict):
+    """LoRA through PEFT: only the adapters train; they are merged into the exported model."""
+
+    r: int = Field(8, ge=1, le=1024, description="Adapter rank.")
+    alpha: int = Field(16, ge=1, description="Scaling numerator (alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the linear layers that get adapters.",
+    )
+
+
 class TrainConfig(_Strict):
     """Everything `python -m kubellm.train` needs; nothing launcher-specific."""
 
@@ -64,10 +77,36 @@ class TrainConfig(_Strict):
     save_model: bool = Field(True, description="Export the model (tuning trials skip it).")
     model: ModelConfig = Field(
         default_factory=lambda: ModelConfig(),  # type: ignore[call-arg]
-        description="Shape of the from-config model.",
+        description="Shape of the from-config model (used when model_name_or_path is empty).",
+    )
+    model_name_or_path: str = Field(
+        "",
+        description="A Hugging Face causal LM directory or hub name to start from; "
+        "empty: a new model shaped by `model`.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow the model's own Python code (off unless asked)."
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto picks nccl on GPUs, gloo on CPU."
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: replicated model; fsdp: FSDP2 fully_shard (parameters, gradients and "
+        "optimizer state sharded).",
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 mixed precision on GPUs that support it, fp32 on CPU."
+    )
+    grad_accum_steps: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step (batch_size is per step)."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute activations in backward (less memory, ~1/3 more compute)."
+    )
+    compile: bool = Field(False, description="torch.compile each decoder layer.")
+    lora: LoraSettings | None = Field(
+        None, description='LoRA adapters via PEFT, e.g. {"r": 8}; null: full fine-tuning.'
     )
     checkpoint_dir: str = Field(
         "", description="Where DCP checkpoints go; empty: no checkpoints, no resume."
@@ -81,6 +120,16 @@ class TrainConfig(_Strict):
     )
     mlflow_tracking_uri: str = Field("", description="MLflow tracking URI; empty disables logging.")
     mlflow_run_id: str = Field("", description="MLflow run to log metrics to (rank 0 only).")
+
+    def micro_batch(self, world_size: int) -> int:
+        """Sequences per rank per forward pass; ConfigError when the batch does not divide."""
+        parts = world_size * self.grad_accum_steps
+        if self.batch_size % parts:
+            raise ConfigError(
+                f"invalid batch_size={self.batch_size}: must be divisible by WORLD_SIZE x "
+                f"grad_accum_steps = {world_size} x {self.grad_accum_steps} = {parts}"
+            )
+        return self.batch_size // parts
 
 
 class PipelineConfig(_Strict):

@@ -46,6 +46,9 @@ class TrainJob:
     env: dict[str, str] = field(default_factory=dict)
     workspace_pvc: str | None = None
     gpus_per_node: int = 0
+    # torchrun restarts the worker group this many times after a worker dies (local runs;
+    # on a cluster the PyTorchJob's ExitCode restart policy and backoffLimit do this).
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True)

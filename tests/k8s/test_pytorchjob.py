@@ -120,8 +120,10 @@ def test_manifest_shape_and_schema(case: BuildCase, fake_k8s: FakeK8s) -> None:
         (container,) = pod["containers"]
         assert container["name"] == "pytorch"
         assert container["image"] == case.job.image
-        assert [container["command"][0], *container["args"]] == [
-            "torchrun",
+        assert [*container["command"], *container["args"]] == [
+            "python",
+            "-m",
+            "kubellm.train.launch",
             "-m",
             case.job.module,
             *case.job.train_args,

@@ -11,17 +11,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kubellm.config import TrainConfig
-from kubellm.data.prepare import PrepareParams, prepare
 from kubellm.jobs import JobFailed, JobTimeout, TrainJob
-from kubellm.train.loop import batch_indices, lr_factor
+from kubellm.train.loader import batch_indices
+from kubellm.train.loop import lr_factor
 from kubellm.train.torchrun import TorchrunTrainer
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ds")
-    prepare(PrepareParams(num_records=2000, vocab_size=300, seq_len=16), out)
-    return out
+@pytest.fixture
+def dataset(tiny_dataset: Path) -> Path:
+    return tiny_dataset
 
 
 def _job(tmp: Path, name: str, nproc: int = 2, timeout_s: float = 300, **values) -> TrainJob:
@@ -48,8 +46,9 @@ def test_ddp_run_prints_metrics_and_exports_a_loadable_model(dataset: Path, tmp_
         _job(tmp_path, "ddp", dataset_dir=str(dataset), output_dir=str(out))
     )
     assert "world_size=2" in result.logs
-    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "eval_loss", "perplexity"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "eval_loss", "perplexity"):
         assert key in result.metrics
+    assert 0 < result.metrics["mfu"] < 1
     assert result.metrics["step"] == 6
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
         p.name for p in out.iterdir()
@@ -73,7 +72,8 @@ def test_same_seed_same_result(dataset: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("values", "fragment"),
     [
-        ({"batch_size": 7}, "batch_size=7: must be divisible by WORLD_SIZE=2"),
+        ({"batch_size": 7}, "batch_size=7: must be divisible by WORLD_SIZE x grad_accum_steps"),
+        ({"strategy": "zero3"}, "invalid strategy='zero3'"),
         ({"dataset_dir": "/nonexistent"}, "dataset_dir='/nonexistent'"),
         ({"model": {"max_position_embeddings": 8}}, "max_position_embeddings=8"),
     ],
@@ -92,9 +92,19 @@ def test_bad_config_fails_before_the_process_group(
                 **values["model"],
             }
         }
-    with pytest.raises(JobFailed, match="exit code") as info:
-        TorchrunTrainer(echo=False).run(_job(tmp_path, "bad", **{**base, **values}))
+    values = {**base, **values}
+    if "strategy" in values:  # an invalid value cannot go through TrainConfig: raw JSON
+        path = tmp_path / "bad.json"
+        cfg = _job(tmp_path, "bad", **base)
+        raw = json.loads(Path(cfg.train_args[1]).read_text())
+        path.write_text(json.dumps({**raw, "strategy": values["strategy"]}))
+        job = TrainJob(name="bad", train_args=["--config", str(path)], nproc_per_node=2)
+    else:
+        job = _job(tmp_path, "bad", **values)
+    with pytest.raises(JobFailed, match="exit code 2") as info:
+        TorchrunTrainer(echo=False).run(job)
     assert fragment in str(info.value)
+    assert "init_process_group" not in str(info.value)
 
 
 def test_unknown_override_names_the_field(dataset: Path, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import torch
 
 from kubellm.generate import complete, load_model
-from kubellm.train.loop import load_split
+from kubellm.train.loader import load_split
 
 
 @torch.no_grad()
@@ -18,7 +18,7 @@ def heldout_loss(model: Any, dataset_dir: str | Path, batch_size: int = 64) -> f
     val = load_split(str(dataset_dir), "val")
     total, count = 0.0, 0
     for start in range(0, val.shape[1], batch_size):
-        x, y = val[:, start : start + batch_size]
+        x, y = val[:, start : start + batch_size].long()
         total += float(model(input_ids=x, labels=y).loss) * len(x)
         count += len(x)
     return total / max(count, 1)

@@ -1,6 +1,7 @@
 """Run a TrainJob as a Training Operator v1 PyTorchJob and wait for it.
 
-The pod runs the same entrypoint as every launcher, `torchrun -m kubellm.train ARGS` (or the
+The pod runs the same entrypoint as every launcher, torchrun through
+`python -m kubellm.train.launch -m kubellm.train ARGS` (or the
 job's other `module`, e.g. preflight's fabric check); the operator sets the PET_* variables
 (nnodes, node rank, master address/port) that torchrun reads, so nothing in the command is
 cluster-specific. The Katib tuner reuses `build_pytorchjob` for its trials, so a trial is
@@ -114,7 +115,8 @@ def _pod_template(job: TrainJob) -> k8s.V1PodTemplateSpec:
     container = k8s.V1Container(
         name=CONTAINER,
         image=job.image,
-        command=["torchrun"],
+        # torchrun with exit codes for restartPolicy ExitCode (kubellm/train/launch.py).
+        command=["python", "-m", "kubellm.train.launch"],
         args=["-m", job.module, *job.train_args],
         env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
         resources=resources,

@@ -5,8 +5,10 @@ Layout under the checkpoint directory:
     step-00000100/          a complete checkpoint: DCP shards + .metadata, trainer.pt, COMPLETE
     step-00000200.tmp/      being written (or a writer that died): never loaded
 
-Every rank writes its DCP shards into the `.tmp` folder; after a barrier rank 0 writes the
-trainer state (step, scheduler, RNG) and the COMPLETE marker, then renames the folder. A
+Every rank writes its DCP shards (model and optimizer, sharded as they are in memory, so
+FSDP and DDP checkpoints load on any world size) into the `.tmp` folder; after a barrier
+rank 0 writes the trainer state (step, scheduler, loader position, RNG) and the COMPLETE
+marker, then renames the folder. A
 checkpoint is only ever read from a committed folder, and one that fails to load (a shard
 deleted, a truncated file) is skipped with a warning in favour of the next newest.
 """
@@ -33,8 +35,8 @@ _NAME = re.compile(r"^step-(\d{8})$")
 
 @dataclass
 class Resumed:
-    step: int
     path: Path
+    trainer: dict[str, Any]  # what `save` was given as trainer_state
 
 
 def _barrier() -> None:
@@ -58,10 +60,11 @@ def save(
     step: int,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    scheduler: Any,
+    trainer_state: dict[str, Any],
     rank: int,
     keep: int,
 ) -> Path:
+    """Write checkpoint `step` (collective: every rank calls it) and keep the newest `keep`."""
     base = Path(root)
     final = base / f"step-{step:08d}"
     tmp = base / f"step-{step:08d}.tmp"
@@ -73,14 +76,7 @@ def save(
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
-        torch.save(
-            {
-                "step": step,
-                "scheduler": scheduler.state_dict(),
-                "rng": torch.get_rng_state(),
-            },
-            tmp / TRAINER_STATE,
-        )
+        torch.save({"step": step, **trainer_state}, tmp / TRAINER_STATE)
         (tmp / MARKER).write_text(f"{step}\n")
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -91,9 +87,13 @@ def save(
 
 
 def load_latest(
-    root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+    root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> Resumed | None:
-    """Restore the newest checkpoint that loads; None when there is none."""
+    """Restore model and optimizer from the newest checkpoint that loads (collective).
+
+    Returns the trainer state saved with it (the caller restores scheduler, loader, RNG), or
+    None when there is no checkpoint.
+    """
     for path in complete_checkpoints(root):
         try:
             model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -112,7 +112,5 @@ def load_latest(
                 flush=True,
             )
             continue
-        scheduler.load_state_dict(trainer["scheduler"])
-        torch.set_rng_state(trainer["rng"])
-        return Resumed(int(trainer["step"]), path)
+        return Resumed(path, trainer)
     return None

@@ -1,7 +1,18 @@
-"""The training loop behind `python -m kubellm.train`: DDP over the packed Parquet shards.
+"""The training engine behind `python -m kubellm.train`: DDP or FSDP2 over the packed shards.
 
 It reads only the standard torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT), so torchrun on a laptop, a PyTorchJob and a Katib trial run it unchanged.
+MASTER_PORT), so torchrun on a laptop, a PyTorchJob on 4 x 8 GPUs and a Katib trial run it
+unchanged. The order of work:
+
+1. `check`: everything that can be wrong with the config and the data, before any process
+   group exists (a bad value fails in seconds, naming the field, with exit code 2);
+2. `build_model`: the model on CPU (a Hugging Face directory / hub name, or from config),
+   LoRA adapters, activation checkpointing, per-layer `torch.compile`;
+3. the process group (NCCL on GPUs, gloo on CPU), then DDP or FSDP2 `fully_shard`;
+4. the loop: micro-batches with gradient accumulation, clipping, AdamW with warmup + cosine,
+   metrics every `log_every` steps, DCP checkpoints, and SIGTERM / SIGUSR1 pre-emption;
+5. held-out loss, then the model exported as a Hugging Face directory (LoRA merged).
+
 Metrics go to stdout as `name=value` pairs (Katib's StdOut collector reads them) and, on
 rank 0, to MLflow when a run is given.
 """
@@ -9,16 +20,17 @@ rank 0, to MLflow when a run is given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -27,8 +39,16 @@ from kubellm.config import ConfigError, TrainConfig, parse_overrides, validate
 from kubellm.data.prepare import DataError, load_manifest
 from kubellm.data.tokenizer import load_tokenizer
 from kubellm.jobs import format_metrics
-from kubellm.model import build_model
-from kubellm.train import checkpoint
+from kubellm.model import build_model as build_from_config
+from kubellm.train import checkpoint, mfu
+from kubellm.train.loader import DistributedLoader, batch_indices, load_split
+from kubellm.train.preempt import EXIT_PREEMPTED, Preemption
+
+__all__ = ["EXIT_PREEMPTED", "batch_indices", "load_split", "main", "train"]
+
+
+class Preempted(Exception):
+    """Training stopped on SIGTERM / SIGUSR1 after writing a checkpoint."""
 
 
 def load_config(argv: list[str] | None = None) -> TrainConfig:
@@ -47,54 +67,153 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     return validate(TrainConfig, values)
 
 
-def check(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    """Everything that can be wrong before the process group starts; returns the manifest."""
-    if cfg.batch_size % world_size:
-        raise ConfigError(
-            f"invalid batch_size={cfg.batch_size}: must be divisible by WORLD_SIZE={world_size}"
+@dataclass
+class Plan:
+    """What `check` established: the run's shapes, and the pieces it already loaded."""
+
+    manifest: dict[str, Any]
+    tokenizer: Any
+    micro_batch: int
+    seq_len: int
+    device: torch.device
+    backend: str
+    bf16: bool
+
+
+def _hf_config(cfg: TrainConfig) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(
+            cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code
         )
+    except Exception as err:  # OSError, ValueError: say which field and why, in one line
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"invalid model_name_or_path={cfg.model_name_or_path!r}: {reason}"
+        ) from None
+
+
+def check(cfg: TrainConfig, world_size: int, local_rank: int = 0) -> Plan:
+    """Everything that can be wrong before the process group starts."""
+    micro = cfg.micro_batch(world_size)
     try:
         manifest = load_manifest(cfg.dataset_dir)
-    except DataError as err:
+        tokenizer = load_tokenizer(Path(cfg.dataset_dir) / "tokenizer")
+    except (DataError, OSError, ValueError) as err:
         raise ConfigError(f"invalid dataset_dir={cfg.dataset_dir!r}: {err}") from None
     seq_len = int(manifest["seq_len"])
-    if seq_len > cfg.model.max_position_embeddings:
+    if cfg.model_name_or_path:
+        hf = _hf_config(cfg)
+        limit = getattr(hf, "max_position_embeddings", None)
+        if limit is not None and seq_len > limit:
+            raise ConfigError(
+                f"invalid model_name_or_path={cfg.model_name_or_path!r}: its "
+                f"max_position_embeddings is {limit}, the dataset's seq_len is {seq_len}"
+            )
+        vocab = getattr(hf, "vocab_size", None)
+        if vocab is not None and len(tokenizer) > vocab:
+            raise ConfigError(
+                f"invalid model_name_or_path={cfg.model_name_or_path!r}: its vocab_size is "
+                f"{vocab} but the dataset's tokenizer has {len(tokenizer)} tokens; prepare the "
+                "data with the model's tokenizer (tokenizer=<the same name>)"
+            )
+    elif seq_len > cfg.model.max_position_embeddings:
         raise ConfigError(
             f"invalid model.max_position_embeddings={cfg.model.max_position_embeddings}: "
             f"the dataset's seq_len is {seq_len}"
         )
-    return manifest
+    cuda = torch.cuda.is_available()
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ConfigError("invalid backend='nccl': no CUDA device is visible; use gloo or auto")
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    bf16 = cfg.precision == "bf16" or (
+        cfg.precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
+    )
+    return Plan(manifest, tokenizer, micro, seq_len, device, backend, bf16)
 
 
-def load_split(dataset_dir: str, split: str) -> torch.Tensor:
-    """Labels-ready rows: shape (2, N, seq_len), input ids and labels (-100 where masked)."""
-    files = sorted((Path(dataset_dir) / split).glob("*.parquet"))
-    if not files:
-        raise DataError(f"{dataset_dir}/{split} has no Parquet shards")
-    rows: list[list[int]] = []
-    masks: list[list[int]] = []
-    for f in files:
-        table = pq.read_table(f)
-        ids = table.column("input_ids").to_pylist()
-        rows += ids
-        if "loss_mask" in table.column_names:
-            masks += table.column("loss_mask").to_pylist()
-        else:
-            masks += [[1] * len(r) for r in ids]
-    x = torch.tensor(rows, dtype=torch.long)
-    labels = x.masked_fill(torch.tensor(masks, dtype=torch.bool).logical_not(), -100)
-    return torch.stack([x, labels])
+def _base_model(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def batch_indices(n: int, step: int, batch: int, seed: int) -> torch.Tensor:
-    """Rows of the global batch at `step`: epochs are seeded permutations, so order is exact."""
-    per_epoch = n // batch
-    if per_epoch == 0:
-        raise DataError(f"dataset has {n} sequences, fewer than one batch of {batch}")
-    epoch, pos = divmod(step, per_epoch)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(n, generator=g)
-    return perm[pos * batch : (pos + 1) * batch]
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks, by the Hugging Face `_no_split_modules` convention."""
+    names = set(getattr(_base_model(model), "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def build_model(cfg: TrainConfig, tokenizer: Any) -> torch.nn.Module:
+    """The model to train, on CPU, in float32, identical on every rank (seeded)."""
+    torch.manual_seed(cfg.seed)
+    model: Any
+    if cfg.model_name_or_path:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.model_name_or_path,
+                trust_remote_code=cfg.trust_remote_code,
+                use_safetensors=True,  # never unpickle weights
+                dtype=torch.float32,
+            )
+        except (OSError, ValueError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+            raise ConfigError(
+                f"invalid model_name_or_path={cfg.model_name_or_path!r}: {reason}"
+            ) from None
+    else:
+        model = build_from_config(cfg.model, tokenizer)
+    if cfg.activation_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        try:
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=cfg.lora.r,
+                    lora_alpha=cfg.lora.alpha,
+                    lora_dropout=cfg.lora.dropout,
+                    target_modules=cfg.lora.target_modules,
+                    task_type="CAUSAL_LM",
+                ),
+            )
+        except ValueError as err:
+            raise ConfigError(
+                f"invalid lora.target_modules={cfg.lora.target_modules}: {err}"
+            ) from None
+    if cfg.compile:
+        for layer in decoder_layers(model):
+            layer.compile()  # in place: parameter names (and checkpoints) stay the same
+    return model
+
+
+def wrap(model: torch.nn.Module, cfg: TrainConfig, plan: Plan, world: int) -> torch.nn.Module:
+    """DDP or FSDP2 around the model (after the process group exists); as is for one process."""
+    model.to(plan.device)
+    if world == 1:
+        return model
+    if cfg.strategy == "ddp":
+        ids = [plan.device.index] if plan.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(plan.device.type, (world,))
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if plan.bf16
+        else MixedPrecisionPolicy()
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -132,156 +251,265 @@ def _emit(metrics: dict[str, float], sink: _MlflowSink | None, step: int) -> Non
         sink.log({k: v for k, v in metrics.items() if k != "step"}, step)
 
 
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def _flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    base = _base_model(model)
+    c = base.config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    n_params = sum(p.numel() for p in model.parameters())
+    n_embed = base.get_input_embeddings().weight.numel()
+    return mfu.flops_per_token(n_params, n_embed, c.num_hidden_layers, heads, head_dim, seq_len)
+
+
 def train(cfg: TrainConfig) -> dict[str, float]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    manifest = check(cfg, world)
-    backend = cfg.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    distributed = world > 1
-    if distributed:
-        dist.init_process_group(backend=backend)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    plan = check(cfg, world, local_rank)
+    model = build_model(cfg, plan.tokenizer)
+    if world > 1:
+        if plan.device.type == "cuda":
+            torch.cuda.set_device(plan.device)
+        dist.init_process_group(backend=plan.backend)
     try:
-        return _train(cfg, manifest, rank, world, device, distributed)
+        return _Run(cfg, plan, model, rank, world).run()
     finally:
-        if distributed:
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(
-    cfg: TrainConfig,
-    manifest: dict[str, Any],
-    rank: int,
-    world: int,
-    device: torch.device,
-    distributed: bool,
-) -> dict[str, float]:
-    torch.manual_seed(cfg.seed)
-    tokenizer = load_tokenizer(Path(cfg.dataset_dir) / "tokenizer")
-    data = load_split(cfg.dataset_dir, "train")
-    val = load_split(cfg.dataset_dir, "val")
-    model: Any = build_model(cfg.model, tokenizer)
-    model = model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    ddp: torch.nn.Module = (
-        DistributedDataParallel(
-            model, device_ids=[device.index] if device.index is not None else None
+class _Run:
+    """One training run on one rank."""
+
+    def __init__(
+        self, cfg: TrainConfig, plan: Plan, model: torch.nn.Module, rank: int, world: int
+    ) -> None:
+        self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
+        self.model = model  # unwrapped (FSDP2 shards it in place; DDP wraps it)
+        self.engine = wrap(model, cfg, plan, world)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(
+            self.params,
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            betas=(0.9, cfg.adam_beta2),
         )
-        if distributed
-        else model
-    )
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.learning_rate,
-        weight_decay=cfg.weight_decay,
-        betas=(0.9, cfg.adam_beta2),
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps)
-    )
-    sink = _MlflowSink(cfg.mlflow_tracking_uri, cfg.mlflow_run_id) if rank == 0 else None
-    if rank == 0:
-        print(
-            f"train: params={n_params} world_size={world} device={device.type} "
-            f"sequences={data.shape[1]} seq_len={manifest['seq_len']} steps={cfg.steps}",
-            flush=True,
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps)
         )
-    per_rank = cfg.batch_size // world
-    tokens_per_step = cfg.batch_size * data.shape[2]
-    last: dict[str, float] = {}
-    start = 0
-    if cfg.checkpoint_dir:
-        resumed = checkpoint.load_latest(cfg.checkpoint_dir, ddp, opt, sched)
-        if resumed is not None:
-            start = resumed.step
-            if rank == 0:
-                print(f"train: resumed from {resumed.path} at step {start}", flush=True)
-    window_t = time.perf_counter()
-    window_steps = 0
-    ddp.train()
-    for step in range(start, cfg.steps):
-        idx = batch_indices(data.shape[1], step, cfg.batch_size, cfg.seed)
-        x, y = data[:, idx[rank * per_rank : (rank + 1) * per_rank]].to(device)
-        loss = ddp(input_ids=x, labels=y).loss
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        window_steps += 1
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            loss_v = loss.detach()
-            if distributed:
-                dist.all_reduce(loss_v, op=dist.ReduceOp.AVG)
-            elapsed = time.perf_counter() - window_t
-            last = {
-                "step": step + 1,
-                "loss": float(loss_v),
-                "lr": float(sched.get_last_lr()[0]),
-                "grad_norm": float(grad_norm),
-                "tokens_per_sec": window_steps * tokens_per_step / max(elapsed, 1e-9),
-            }
-            if rank == 0:
-                _emit(last, sink, step + 1)
-            window_t, window_steps = time.perf_counter(), 0
-        done = step + 1
-        stopping = cfg.stop_after and done == cfg.stop_after
-        periodic = cfg.checkpoint_every and done % cfg.checkpoint_every == 0
-        if cfg.checkpoint_dir and (stopping or periodic):
-            path = checkpoint.save(
-                cfg.checkpoint_dir, done, ddp, opt, sched, rank, cfg.keep_checkpoints
+        self.data = load_split(cfg.dataset_dir, "train")
+        self.loader = DistributedLoader(
+            self.data,
+            global_batch=cfg.batch_size,
+            micro_batch=plan.micro_batch,
+            rank=rank,
+            world_size=world,
+            seed=cfg.seed,
+        )
+        self.sink = _MlflowSink(cfg.mlflow_tracking_uri, cfg.mlflow_run_id) if rank == 0 else None
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"train: {msg}", flush=True)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and one process autocast.
+        on = self.plan.bf16 and not (self.cfg.strategy == "fsdp" and self.world > 1)
+        return torch.autocast(self.plan.device.type, dtype=torch.bfloat16, enabled=on)
+
+    def _sync_grads(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Gradient all-reduce only on the last micro-batch of a step."""
+        if self.world == 1 or last:
+            if self.cfg.strategy == "fsdp" and self.world > 1:
+                self.engine.set_requires_gradient_sync(True)  # type: ignore[operator]
+            return contextlib.nullcontext()
+        if self.cfg.strategy == "ddp":
+            assert isinstance(self.engine, DistributedDataParallel)
+            return self.engine.no_sync()
+        self.engine.set_requires_gradient_sync(False)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    def trainer_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "scheduler": self.sched.state_dict(),
+            "loader": self.loader.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+        if self.plan.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.plan.device)
+        return state
+
+    def save(self, step: int) -> None:
+        path = checkpoint.save(
+            self.cfg.checkpoint_dir,
+            step,
+            self.engine,
+            self.opt,
+            self.trainer_state(),
+            self.rank,
+            self.cfg.keep_checkpoints,
+        )
+        self.log(f"checkpoint {path}")
+
+    def resume(self) -> int:
+        if not self.cfg.checkpoint_dir:
+            return 0
+        resumed = checkpoint.load_latest(self.cfg.checkpoint_dir, self.engine, self.opt)
+        if resumed is None:
+            return 0
+        state = resumed.trainer
+        self.sched.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        torch.set_rng_state(state["rng"])
+        if "cuda_rng" in state and self.plan.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.plan.device)
+        step = int(state["step"])
+        self.log(f"resumed from {resumed.path} at step {step}")
+        return step
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (mean loss on this rank, total grad norm)."""
+        micro = self.loader.next_batch()
+        total = torch.zeros((), device=self.plan.device)
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(self.plan.device), y.to(self.plan.device)
+            with self._sync_grads(i == len(micro) - 1), self.autocast():
+                loss = self.engine(input_ids=x, labels=y).loss / len(micro)
+            loss.backward()
+            total += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total, norm
+
+    def run(self) -> dict[str, float]:
+        cfg, plan = self.cfg, self.plan
+        n_params = sum(p.numel() for p in self.model.parameters())
+        n_train = sum(p.numel() for p in self.params)
+        self.log(
+            f"params={n_params} trainable={n_train} world_size={self.world} "
+            f"device={plan.device.type} strategy={cfg.strategy if self.world > 1 else 'single'} "
+            f"precision={'bf16' if plan.bf16 else 'fp32'} sequences={self.loader.num_sequences} "
+            f"seq_len={plan.seq_len} micro_batch={plan.micro_batch} "
+            f"grad_accum_steps={cfg.grad_accum_steps} steps={cfg.steps}"
+        )
+        tokens_per_step = cfg.batch_size * plan.seq_len
+        fpt = _flops_per_token(self.model, plan.seq_len)
+        peak = mfu.device_peak(plan.device)
+        start = self.resume()
+        last: dict[str, float] = {}
+        began = window_t = time.perf_counter()
+        window_steps = 0
+        self.engine.train()
+        with Preemption() as pre:
+            for step in range(start, cfg.steps):
+                loss, norm = self.step()
+                done = step + 1
+                window_steps += 1
+                if done % cfg.log_every == 0 or done == cfg.steps:
+                    if dist.is_initialized():
+                        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+                        loss /= self.world
+                    elapsed = max(time.perf_counter() - window_t, 1e-9)
+                    tps = window_steps * tokens_per_step / elapsed
+                    last = {
+                        "step": done,
+                        "loss": float(loss),
+                        "lr": float(self.sched.get_last_lr()[0]),
+                        "grad_norm": float(norm),
+                        "tokens_per_sec": tps,
+                    }
+                    if peak:
+                        last["mfu"] = tps * fpt / self.world / peak
+                    if self.rank == 0:
+                        _emit(last, self.sink, done)
+                        rate = (done - start) / (time.perf_counter() - began)
+                        self.log(
+                            f"{done}/{cfg.steps} steps ({100 * done / cfg.steps:.0f}%), "
+                            f"eta {_duration((cfg.steps - done) / rate)}"
+                        )
+                    window_t, window_steps = time.perf_counter(), 0
+                preempted = pre.requested(plan.device) if self.world > 1 else bool(pre.received)
+                stopping = bool(cfg.stop_after) and done == cfg.stop_after
+                periodic = bool(cfg.checkpoint_every) and done % cfg.checkpoint_every == 0
+                if cfg.checkpoint_dir and (stopping or periodic or preempted):
+                    self.save(done)
+                if preempted:
+                    where = "checkpoint written" if cfg.checkpoint_dir else "no checkpoint_dir"
+                    self.log(
+                        f"pre-empted by {pre.name} after step {done} ({where}); "
+                        f"exiting with {EXIT_PREEMPTED}"
+                    )
+                    raise Preempted
+                if stopping:
+                    self.log(f"stopped after step {done} (stop_after)")
+                    return {"train_loss": last.get("loss", math.nan), "stopped_at": float(done)}
+        eval_loss = self.evaluate()
+        final = {
+            "train_loss": last.get("loss", math.nan),
+            "eval_loss": eval_loss,
+            "perplexity": math.exp(min(eval_loss, 50.0)),
+        }
+        if self.rank == 0:
+            _emit(final, self.sink, cfg.steps)
+        if cfg.save_model:
+            self.export()
+        return final
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the first validation batches, the same count on every rank."""
+        val = load_split(self.cfg.dataset_dir, "val")
+        n = int(val.shape[1])
+        size = max(1, min(self.plan.micro_batch, n // self.world))
+        batches = max(1, min(self.cfg.eval_batches, n // (size * self.world)))
+        self.engine.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.plan.device)
+        for b in range(batches):
+            first = ((b * self.world + self.rank) * size) % max(1, n - size + 1)
+            x, y = val[:, first : first + size].long().to(self.plan.device)
+            with self.autocast():
+                loss = self.engine(input_ids=x, labels=y).loss
+            total += torch.stack([loss.double() * len(x), torch.tensor(len(x)).double()])
+        if dist.is_initialized():
+            dist.all_reduce(total)
+        self.engine.train()
+        return float(total[0] / total[1])
+
+    def export(self) -> None:
+        """The Hugging Face directory: full weights gathered to rank 0, LoRA merged."""
+        model = self.model
+        if self.cfg.strategy == "fsdp" and self.world > 1:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
             )
-            if rank == 0:
-                print(f"train: checkpoint {path}", flush=True)
-        if stopping:
-            if rank == 0:
-                print(f"train: stopped after step {done} (stop_after)", flush=True)
-            return {"train_loss": last.get("loss", float("nan")), "stopped_at": float(done)}
 
-    eval_loss = evaluate_loss(model, val, cfg.eval_batches, per_rank, rank, world, device)
-    final = {
-        "train_loss": last.get("loss", float("nan")),
-        "eval_loss": eval_loss,
-        "perplexity": math.exp(min(eval_loss, 50.0)),
-    }
-    if rank == 0:
-        _emit(final, sink, cfg.steps)
-    if rank == 0 and cfg.save_model:
-        export(model, tokenizer, cfg.output_dir)
-        print(f"train: exported model to {cfg.output_dir}", flush=True)
-    return final
-
-
-@torch.no_grad()
-def evaluate_loss(
-    model: torch.nn.Module,
-    val: torch.Tensor,
-    max_batches: int,
-    per_rank: int,
-    rank: int,
-    world: int,
-    device: torch.device,
-) -> float:
-    """Mean token loss over the first batches of the validation split, averaged over ranks."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    for b in range(max_batches):
-        start = (b * world + rank) * per_rank
-        x, y = val[:, start : start + per_rank].to(device)
-        if len(x) == 0:
-            break
-        loss = model(input_ids=x, labels=y).loss
-        total += torch.tensor([float(loss) * len(x), len(x)], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    model.train()
-    return float(total[0] / max(float(total[1]), 1.0))
+            full = get_model_state_dict(
+                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if self.rank != 0:
+                return
+            model = build_model(self.cfg.model_copy(update={"compile": False}), self.plan.tokenizer)
+            model.load_state_dict(full)
+        if self.rank != 0:
+            return
+        if self.cfg.lora is not None:
+            model = model.merge_and_unload()  # type: ignore[operator]
+        if self.cfg.activation_checkpointing:
+            model.activation_checkpointing_disable()  # type: ignore[operator]
+            model.config.use_cache = True  # type: ignore[union-attr]
+        export(model.to("cpu"), self.plan.tokenizer, self.cfg.output_dir)
+        self.log(f"exported model to {self.cfg.output_dir}")
 
 
 def export(model: torch.nn.Module, tokenizer: Any, output_dir: str) -> None:
@@ -290,6 +518,9 @@ def export(model: torch.nn.Module, tokenizer: Any, output_dir: str) -> None:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per shard: noise in a job log
     gen = getattr(model, "generation_config", None)
     if gen is not None:
         gen.eos_token_id = tokenizer.eos_token_id
@@ -303,10 +534,13 @@ def export(model: torch.nn.Module, tokenizer: Any, output_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 bad config or data, EXIT_PREEMPTED (200) checkpointed on a signal."""
     try:
         cfg = load_config(argv)
         train(cfg)
     except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
+    except Preempted:
+        return EXIT_PREEMPTED
     return 0

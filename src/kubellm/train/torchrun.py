@@ -16,7 +16,8 @@ from kubellm.train.launcher import Trainer
 
 
 class TorchrunTrainer(Trainer):
-    """Runs `torchrun --standalone --nproc_per_node=N -m <module> ARGS` as a child process.
+    """Runs torchrun (`python -m kubellm.train.launch --standalone --nproc_per_node=N
+    --max-restarts=R -m <module> ARGS`) as a child process.
 
     Output streams through line by line (progress), and is kept for the metrics. A job past
     its timeout is killed with its whole process group.
@@ -36,9 +37,10 @@ class TorchrunTrainer(Trainer):
         cmd = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "kubellm.train.launch",
             "--standalone",
             f"--nproc_per_node={job.nproc_per_node}",
+            f"--max-restarts={job.max_restarts}",
             "-m",
             job.module,
             *job.train_args,

@@ -1,0 +1,162 @@
+"""Faults under the real launcher: a worker SIGKILLed, SIGTERM pre-emption, Slurm's SIGUSR1."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainkit import tiny_config, write_config
+
+from kubellm.train.checkpoint import complete_checkpoints
+from kubellm.train.launch import exit_code
+from kubellm.train.preempt import EXIT_PREEMPTED
+
+pytestmark = pytest.mark.slow
+TIMEOUT_S = 240
+
+
+class Launch:
+    """`python -m kubellm.train.launch ...` as a child process whose output is watched."""
+
+    def __init__(self, config: Path, *torchrun_args: str) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kubellm.train.launch",
+            "--standalone",
+            "--nproc_per_node=2",
+            *torchrun_args,
+            "-m",
+            "kubellm.train",
+            "--config",
+            str(config),
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def logs(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.proc.kill()
+        raise AssertionError(f"no line matching {pattern!r}; output:\n{self.logs[-3000:]}")
+
+    def workers(self) -> list[int]:
+        """PIDs of the worker processes (the launcher's children), by local rank order."""
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
+        )
+        return sorted(int(p) for p in out.stdout.split())
+
+    def finish(self) -> int:
+        try:
+            code = self.proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"launcher still running; output:\n{self.logs[-3000:]}") from None
+        self._reader.join(timeout=5)
+        return code
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
+
+
+def test_sigkilled_worker_is_restarted_and_ends_equal_to_an_uninterrupted_run(
+    tiny_dataset: Path, tmp_path: Path
+) -> None:
+    values = {"steps": 400, "log_every": 50, "checkpoint_every": 50}
+    ref_cfg = tiny_config(tiny_dataset, tmp_path / "ref", **values)
+    ref = Launch(write_config(tmp_path / "ref.json", ref_cfg))
+    assert ref.finish() == 0, ref.logs[-3000:]
+
+    ckpt = tmp_path / "ckpt"
+    cfg = tiny_config(tiny_dataset, tmp_path / "killed", checkpoint_dir=str(ckpt), **values)
+    run = Launch(write_config(tmp_path / "killed.json", cfg), "--max-restarts=1")
+    run.wait_for(r"train: checkpoint .*step-00000100")
+    victim = run.workers()[-1]
+    os.kill(victim, signal.SIGKILL)
+    assert run.finish() == 0, run.logs[-3000:]
+    logs = run.logs
+    assert re.search(rf"local_rank: \d \(pid: {victim}\)", logs) or "exitcode: -9" in logs
+    resumed = re.search(r"train: resumed from .*step-(\d+) at step (\d+)", logs)
+    assert resumed, logs[-3000:]
+    assert int(resumed.group(2)) >= 100
+    a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "killed")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_checkpoints_exits_with_the_documented_code_and_a_restart_continues(
+    tiny_dataset: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    cfg = tiny_config(
+        tiny_dataset, tmp_path / "m", steps=100_000, log_every=20, checkpoint_dir=str(ckpt)
+    )
+    config = write_config(tmp_path / "c.json", cfg)
+    run = Launch(config)
+    run.wait_for(r"^step=40 ")
+    run.proc.send_signal(signal.SIGTERM)  # what the kubelet sends the pod's main process
+    assert run.finish() == EXIT_PREEMPTED, run.logs[-3000:]
+    stopped = re.search(r"pre-empted by SIGTERM after step (\d+) \(checkpoint written\)", run.logs)
+    assert stopped, run.logs[-3000:]
+    step = int(stopped.group(1))
+    assert [p.name for p in complete_checkpoints(ckpt)] == [f"step-{step:08d}"]
+
+    again = Launch(config)  # the retried pod: same command, same config
+    again.wait_for(rf"train: resumed from .*step-{step:08d} at step {step}")
+    again.wait_for(rf"^step={(step // 20 + 1) * 20} ")
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.finish() == EXIT_PREEMPTED
+
+
+def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(
+    tiny_dataset: Path, tmp_path: Path
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    cfg = tiny_config(
+        tiny_dataset, tmp_path / "m", steps=100_000, log_every=20, checkpoint_dir=str(ckpt)
+    )
+    run = Launch(write_config(tmp_path / "c.json", cfg))
+    run.wait_for(r"^step=40 ")
+    os.kill(run.workers()[-1], signal.SIGUSR1)  # rank 1 only: the ranks must agree
+    assert run.finish() == EXIT_PREEMPTED, run.logs[-3000:]
+    stopped = re.search(r"pre-empted by (SIGUSR1|a peer rank) after step (\d+)", run.logs)
+    assert stopped, run.logs[-3000:]
+    assert complete_checkpoints(ckpt)[0].name == f"step-{int(stopped.group(2)):08d}"
+
+
+def test_launcher_exit_codes() -> None:
+    assert exit_code([EXIT_PREEMPTED, -15], -15) == EXIT_PREEMPTED
+    assert exit_code([2, -15], 2) == 2
+    assert exit_code([1, 2], 1) == 1
+    assert exit_code([-9], -9) == 1
