@@ -28,7 +28,6 @@ import torch
 from safetensors.torch import load_file
 
 from kubellm.config import TrainConfig
-from kubellm.data.prepare import PrepareParams, prepare
 
 pytestmark = pytest.mark.slow
 
@@ -60,10 +59,8 @@ class Agent:
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("ds")
-    prepare(PrepareParams(num_records=2000, vocab_size=300, seq_len=16), out)
-    return out
+def dataset(tiny_dataset: Path) -> Path:
+    return tiny_dataset
 
 
 def _config(tmp: Path, name: str, dataset: Path) -> Path:

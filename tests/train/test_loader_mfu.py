@@ -1,0 +1,100 @@
+"""The distributed loader's order and position, and the MFU arithmetic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kubellm.data.prepare import DataError
+from kubellm.train import mfu
+from kubellm.train.loader import DistributedLoader, load_split
+
+
+def _loader(data: torch.Tensor, rank: int, world: int, micro: int = 2) -> DistributedLoader:
+    return DistributedLoader(
+        data, global_batch=8, micro_batch=micro, rank=rank, world_size=world, seed=5
+    )
+
+
+@pytest.fixture
+def rows() -> torch.Tensor:
+    ids = torch.arange(40 * 4, dtype=torch.int32).reshape(40, 4)
+    return torch.stack([ids, ids])
+
+
+def _global_batch(loaders: list[DistributedLoader]) -> list[int]:
+    out: list[int] = []
+    for loader in loaders:
+        for x, _ in loader.next_batch():
+            out += (x[:, 0] // 4).tolist()
+    return out
+
+
+def test_ranks_split_one_global_batch_and_any_world_size_sees_the_same_order(rows) -> None:
+    two = [_loader(rows, r, 2) for r in range(2)]
+    four = [_loader(rows, r, 4) for r in range(4)]
+    one = [_loader(rows, 0, 1, micro=8)]
+    epoch: list[int] = []
+    for _ in range(5):  # 40 rows / 8 = one epoch
+        batch = _global_batch(two)
+        assert len(set(batch)) == 8
+        assert batch == _global_batch(four) == _global_batch(one)
+        epoch += batch
+    assert sorted(epoch) == list(range(40))
+    assert _global_batch(two) != epoch[:8]  # the next epoch is a new permutation
+
+
+def test_position_round_trips_and_a_different_dataset_is_refused(rows) -> None:
+    a = _loader(rows, 1, 2)
+    for _ in range(3):
+        a.next_batch()
+    b = _loader(rows, 1, 2)
+    b.load_state_dict(a.state_dict())
+    assert [x.tolist() for x, _ in a.next_batch()] == [x.tolist() for x, _ in b.next_batch()]
+    other = _loader(rows[:, :32], 1, 2)
+    with pytest.raises(DataError, match="40 sequences, global batch 8, seed 5; this run has 32"):
+        other.load_state_dict(a.state_dict())
+
+
+def test_micro_batches_are_long_tensors_with_masked_labels(tiny_dataset: Path) -> None:
+    data = load_split(tiny_dataset, "train")
+    assert data.dtype == torch.int32  # 4 bytes per token held
+    loader = DistributedLoader(data, global_batch=8, micro_batch=4, rank=0, world_size=1, seed=0)
+    (x, y), (x2, _) = loader.next_batch()
+    assert x.dtype == torch.long and x.shape == (4, 16) and x2.shape == (4, 16)
+    assert (y == -100).any() and torch.equal(y[y != -100], x[y != -100])
+
+
+def test_too_small_a_dataset_fails_early(rows) -> None:
+    with pytest.raises(DataError, match="fewer than one batch of 64"):
+        DistributedLoader(rows, global_batch=64, micro_batch=32, rank=0, world_size=2, seed=0)
+
+
+def test_flops_per_token_is_6n_plus_attention() -> None:
+    # 7B-like: N=6.5e9 non-embedding, 32 layers, 32 heads of 128, T=4096
+    fpt = mfu.flops_per_token(6_738_415_616, 131_072_000, 32, 32, 128, 4096)
+    assert fpt == 6 * (6_738_415_616 - 131_072_000) + 12 * 32 * 32 * 128 * 4096
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA L40S", 362e12),
+        ("Some Future GPU", None),
+    ],
+)
+def test_gpu_peaks_by_name(name: str, peak: float | None) -> None:
+    assert mfu.gpu_peak(name) == peak
+
+
+def test_cpu_peak_is_measured() -> None:
+    peak = mfu.cpu_peak()
+    assert 1e8 < peak < 1e13  # a CPU does between 0.1 GFLOP/s and 10 TFLOP/s in fp32
+    assert mfu.device_peak(torch.device("cpu")) == peak  # measured once per process
