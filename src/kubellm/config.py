@@ -178,6 +178,21 @@ class PipelineConfig(_Strict):
     train_steps: int = Field(1500, ge=1, description="Optimizer steps of the final training run.")
     batch_size: int = Field(64, ge=1, description="Global batch size (divisible by processes).")
     learning_rate: float = Field(3e-3, gt=0, lt=1, description="Learning rate when not tuned.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Data parallelism: ddp (replicated) or fsdp (FSDP2, sharded)."
+    )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: bf16 mixed precision on GPUs that support it, fp32 on CPU."
+    )
+    base_model: str = Field(
+        "",
+        description="Hugging Face causal LM (directory or hub name) to fine-tune; empty: a new "
+        "model from hidden_size/num_layers/num_heads. Its tokenizer is used unless tokenizer "
+        "is set.",
+    )
+    lora_r: int = Field(
+        0, ge=0, le=1024, description="LoRA rank (PEFT) for the training jobs; 0: full training."
+    )
     nproc_per_node: int = Field(2, ge=1, le=64, description="Training processes per node.")
     num_nodes: int = Field(1, ge=1, le=1024, description="Training nodes (PyTorchJob workers).")
     gate_min_accuracy: float = Field(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kubellm import platform
-from kubellm.config import PipelineConfig, TrainConfig
+from kubellm.config import LoraSettings, PipelineConfig, TrainConfig
 from kubellm.jobs import TrainJob, dns_name
 from kubellm.tracking import Tracker
 
@@ -67,6 +67,11 @@ class StageContext:
             learning_rate=cfg.learning_rate,
             seed=cfg.seed,
             model=cfg.model_shape(),
+            model_name_or_path=cfg.base_model,
+            trust_remote_code=cfg.trust_remote_code,
+            strategy=cfg.strategy,
+            precision=cfg.precision,
+            lora=LoraSettings.model_validate({"r": cfg.lora_r}) if cfg.lora_r else None,
             mlflow_tracking_uri=cfg.mlflow_tracking_uri,
             **values,
         )

@@ -17,7 +17,7 @@ def prepare_params(cfg: PipelineConfig) -> PrepareParams:
         format=cfg.data_format,
         text_field=cfg.text_field,
         template=cfg.template,
-        tokenizer=cfg.tokenizer,
+        tokenizer=cfg.tokenizer or cfg.base_model,  # a base model brings its tokenizer
         trust_remote_code=cfg.trust_remote_code,
         packing=cfg.packing,
         near_dedup=cfg.near_dedup,

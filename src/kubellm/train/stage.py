@@ -23,6 +23,9 @@ def run_train(
             out,
             steps=cfg.train_steps,
             log_every=max(1, cfg.train_steps // 10),
+            # A retried step or a restarted PyTorchJob pod resumes from the newest checkpoint.
+            checkpoint_dir=str(ws.dir("checkpoints", "train")),
+            checkpoint_every=max(1, cfg.train_steps // 5),
             mlflow_run_id=run_id,
         ).model_copy(update=hparams)
         train_cfg = type(train_cfg).model_validate(train_cfg.model_dump())  # re-check hparams
