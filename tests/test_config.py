@@ -75,3 +75,26 @@ def test_train_config_nested_error_names_the_path() -> None:
             TrainConfig,
             {"dataset_dir": "d", "output_dir": "o", "model": {"hidden_size": 64, "num_heads": 3}},
         )
+
+
+def test_training_parameters_reach_the_train_config(tmp_path) -> None:
+    from kubellm.data.stage import prepare_params
+    from kubellm.stage import StageContext
+
+    cfg = pipeline_config(
+        {"strategy": "fsdp", "precision": "bf16", "base_model": "org/model", "lora_r": 4},
+        platform="local",
+        runs_dir=str(tmp_path),
+    )
+    ctx = StageContext(cfg, tracker=None, parent_run_id="p", kfp_run_id="k")  # type: ignore[arg-type]
+    train = ctx.base_train_config(tmp_path / "d", tmp_path / "o", steps=5)
+    assert (train.strategy, train.precision, train.model_name_or_path) == (
+        "fsdp",
+        "bf16",
+        "org/model",
+    )
+    assert train.lora is not None and train.lora.r == 4
+    assert prepare_params(cfg).tokenizer == "org/model"  # the base model's tokenizer
+    assert prepare_params(cfg.model_copy(update={"tokenizer": "tok"})).tokenizer == "tok"
+    plain = StageContext(pipeline_config(), None, "p", "k")  # type: ignore[arg-type]
+    assert plain.base_train_config(tmp_path, tmp_path).lora is None
