@@ -131,6 +131,8 @@ def test_manifest_shape_and_schema(case: BuildCase, fake_k8s: FakeK8s) -> None:
         env = {e["name"]: e["value"] for e in container["env"]}
         assert case.env.items() <= env.items()
         assert container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") == case.gpus
+        nccl = [e["configMapRef"] for e in container.get("envFrom", [])]
+        assert nccl == ([{"name": "kubellm-nccl-env", "optional": True}] if case.gpus else [])
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         claims = {
             v["name"]: v["persistentVolumeClaim"]["claimName"]

@@ -45,6 +45,7 @@ CONTAINER = to.PYTORCHJOB_CONTAINER
 # The operator's label on the master's pods (Katib's metrics collector selects by it).
 MASTER_ROLE_LABELS = {to.JOB_ROLE_LABEL: to.JOB_ROLE_MASTER}
 WORKSPACE_MOUNT = "/workspace"
+NCCL_ENV_CONFIG_MAP = "kubellm-nccl-env"
 _LOG_TAIL_LINES = 20
 
 
@@ -110,8 +111,15 @@ def _pod_template(job: TrainJob) -> k8s.V1PodTemplateSpec:
             )
         )
     resources = None
+    env_from = None
     if job.gpus_per_node > 0:
         resources = k8s.V1ResourceRequirements(limits={"nvidia.com/gpu": str(job.gpus_per_node)})
+        # NCCL's fabric settings, when the cluster has them (manifests/overlays/rdma).
+        env_from = [
+            k8s.V1EnvFromSource(
+                config_map_ref=k8s.V1ConfigMapEnvSource(name=NCCL_ENV_CONFIG_MAP, optional=True)
+            )
+        ]
     container = k8s.V1Container(
         name=CONTAINER,
         image=job.image,
@@ -119,6 +127,7 @@ def _pod_template(job: TrainJob) -> k8s.V1PodTemplateSpec:
         command=["python", "-m", "kubellm.train.launch"],
         args=["-m", job.module, *job.train_args],
         env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()],
+        env_from=env_from,
         resources=resources,
         volume_mounts=mounts,
         security_context=container_security(),
