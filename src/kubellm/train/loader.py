@@ -16,6 +16,7 @@ memory-sized datasets this is the place to switch to memory-mapped shards.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +65,14 @@ def batch_indices(n: int, step: int, batch: int, seed: int) -> torch.Tensor:
     if per_epoch == 0:
         raise DataError(f"dataset has {n} sequences, fewer than one batch of {batch}")
     epoch, pos = divmod(step, per_epoch)
+    return _permutation(n, seed, epoch)[pos * batch : (pos + 1) * batch]
+
+
+@lru_cache(maxsize=2)
+def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """One epoch's order, made once (not once per step: n can be millions)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(n, generator=g)
-    return perm[pos * batch : (pos + 1) * batch]
+    return torch.randperm(n, generator=g)
 
 
 @dataclass
