@@ -12,7 +12,7 @@ ARGS ?=
 
 .PHONY: help
 help: ## Show this help
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,8 +48,15 @@ compile: $(STAMP) ## Recompile pipelines/*.yaml from pipelines/*.py
 	$(BIN)/kubellm compile
 
 .PHONY: bench
-bench: $(STAMP) ## Benchmarks (prepare_data vs encode_batch and datasets.map; memory 10x vs 1x) -> docs/
+bench: bench-prepare bench-train ## All benchmarks -> docs/benchmarks-*.md; ARGS (e.g. --check) go to each
+
+.PHONY: bench-prepare
+bench-prepare: $(STAMP) ## prepare_data vs encode_batch and datasets.map; memory 10x vs 1x
 	$(BIN)/python -m bench.prepare_bench --size-mb 20 --scale 10 --repeats 3 --out docs/benchmarks-prepare.md $(ARGS)
+
+.PHONY: bench-train
+bench-train: $(STAMP) ## Training tokens/s: kubellm.train vs HF Trainer and a minimal DDP loop
+	$(BIN)/python -m bench.train_bench --repeats 3 --out docs/benchmarks-train.md $(ARGS)
 
 .PHONY: mlflow-ui
 mlflow-ui: $(STAMP) ## Open the MLflow UI on the local results (127.0.0.1:5000)

@@ -410,7 +410,8 @@ class _Run:
         began = window_t = time.perf_counter()
         window_steps = 0
         self.engine.train()
-        with Preemption() as pre:
+        control = dist.new_group(backend="gloo") if self.world > 1 else None
+        with Preemption(control) as pre:
             for step in range(start, cfg.steps):
                 loss, norm = self.step()
                 done = step + 1
@@ -438,7 +439,9 @@ class _Run:
                             f"eta {_duration((cfg.steps - done) / rate)}"
                         )
                     window_t, window_steps = time.perf_counter(), 0
-                preempted = pre.requested(plan.device) if self.world > 1 else bool(pre.received)
+                preempted = pre.poll()
+                if preempted:
+                    pre.drain()
                 stopping = bool(cfg.stop_after) and done == cfg.stop_after
                 periodic = bool(cfg.checkpoint_every) and done % cfg.checkpoint_every == 0
                 if cfg.checkpoint_dir and (stopping or periodic or preempted):

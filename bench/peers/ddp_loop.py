@@ -1,0 +1,91 @@
+"""A minimal hand-written DDP training loop: the floor for kubellm.train's overhead.
+
+Nothing but the work every step has to do: the rank's rows of the global batch, forward
+with labels, backward (DDP all-reduces the gradients), clip_grad_norm_, AdamW step, LR
+schedule step, zero_grad. Same model (kubellm.model.build_model after
+torch.manual_seed(seed), so the same initial weights as the engine), the same rows in the
+same order (a seeded permutation per epoch, the engine's documented order), the same
+AdamW, warmup + cosine schedule and clip, and bf16 autocast when the config says
+precision=bf16 (the bench's choice on GPUs). No logging inside the timed steps.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \\
+        -m bench.peers.ddp_loop --config cfg.json --skip 40
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from bench.peers import StepClock, load_rows, lr_factor, parse_args, pick_device, read_config
+from kubellm.config import ModelConfig
+from kubellm.data.tokenizer import load_tokenizer
+from kubellm.model import build_model
+
+
+def main() -> int:
+    args = parse_args("minimal DDP loop (train bench peer)")
+    cfg = read_config(args.config)
+    device, backend = pick_device(cfg["backend"])
+    dist.init_process_group(backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    steps, batch, seed = cfg["steps"], cfg["batch_size"], cfg["seed"]
+    bf16 = cfg["precision"] == "bf16"  # the bench sets fp32 or bf16 explicitly
+
+    torch.manual_seed(seed)
+    tokenizer = load_tokenizer(Path(cfg["dataset_dir"]) / "tokenizer")
+    data = load_rows(cfg["dataset_dir"])
+    model = build_model(ModelConfig(**cfg["model"]), tokenizer).to(device)
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.index is not None else None
+    )
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg["learning_rate"],
+        weight_decay=cfg["weight_decay"],
+        betas=(0.9, cfg["adam_beta2"]),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, cfg["warmup_steps"], steps)
+    )
+    n, per_rank = data.shape[1], batch // world
+    per_epoch = n // batch
+    clock = StepClock(args.skip, steps, batch * data.shape[2], device)
+    perm = torch.arange(n)
+    ddp.train()
+    for step in range(steps):
+        epoch, pos = divmod(step, per_epoch)
+        if pos == 0:  # one permutation per epoch
+            perm = torch.randperm(
+                n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            )
+        start = pos * batch + rank * per_rank
+        x, y = data[:, perm[start : start + per_rank]].to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = ddp(input_ids=x, labels=y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        clock.step_end(step + 1)
+
+    final = loss.detach()
+    # The last step's loss, mean of the ranks. The Work is kept until the group is gone: when
+    # gloo's worker thread drops the last reference to a finished Work it needs the GIL,
+    # while tearing the group down (DDP's reducer going away) holds the GIL and waits for
+    # that thread: a deadlock at exit in about 1 run of 3 (torch 2.13, gloo).
+    work = dist.all_reduce(final, op=dist.ReduceOp.AVG, async_op=True)
+    work.wait()
+    clock.report(float(final), model, data.shape[2])
+    del ddp
+    dist.destroy_process_group()
+    del work
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""The Hugging Face Trainer peer: transformers.Trainer on the same model, data and schedule.
+
+The model is kubellm.model.build_model after torch.manual_seed(seed) (the engine's initial
+weights); the rows are the same Parquet shards (labels -100 where loss_mask is 0), in the
+Trainer's own order (its distributed sampler, seeded). TrainingArguments match the
+engine's settings: per-device batch = global / world size, max_steps, AdamW peak LR and
+betas, weight decay, max_grad_norm, linear warmup then cosine to 10 % of the peak
+(`cosine_with_min_lr`, min_lr_rate 0.1), bf16 only when the config says precision=bf16,
+no eval, no saving, no reporting, no tqdm,
+no DataLoader workers. Everything else is the Trainer's default (its optimizer is
+`adamw_torch_fused` on torch >= 2.8), except ddp_find_unused_parameters=False: the
+default (True, for a model without gradient checkpointing) walks the autograd graph every
+step for nothing here, and a tuned HF setup turns it off; the peer should be HF at its
+reasonable best, not a strawman.
+
+Steady-state time comes from a TrainerCallback's on_step_end (after the optimizer and
+scheduler steps); the loss reported is the last logged one (the mean of the last
+`log_every` steps, the Trainer's own logging).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 \\
+        -m bench.peers.hf_trainer --config cfg.json --skip 40
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.peers import StepClock, load_rows, parse_args, pick_device, read_config
+from kubellm.config import ModelConfig
+from kubellm.data.tokenizer import load_tokenizer
+from kubellm.model import build_model
+
+
+class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """One packed row per item, as the Trainer's default collator stacks them."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.ids, self.labels = data[0], data[1]
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def main() -> int:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    args = parse_args("Hugging Face Trainer (train bench peer)")
+    cfg = read_config(args.config)
+    device, backend = pick_device(cfg["backend"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    steps = cfg["steps"]
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        """Feeds step ends to the StepClock and keeps the last logged loss."""
+
+        def __init__(self, clock: StepClock) -> None:
+            self.clock = clock
+            self.loss = math.nan
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.clock.step_end(state.global_step)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                self.loss = float(logs["loss"])
+
+    training_args = TrainingArguments(
+        output_dir=cfg.get("output_dir", "hf-out") + "-hf",
+        per_device_train_batch_size=cfg["batch_size"] // world,
+        max_steps=steps,
+        learning_rate=cfg["learning_rate"],
+        weight_decay=cfg["weight_decay"],
+        adam_beta1=0.9,
+        adam_beta2=cfg["adam_beta2"],
+        adam_epsilon=1e-8,
+        max_grad_norm=cfg["grad_clip"],
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        warmup_steps=cfg["warmup_steps"],
+        logging_steps=cfg["log_every"],
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_drop_last=True,
+        remove_unused_columns=False,
+        use_cpu=device.type == "cpu",
+        bf16=cfg["precision"] == "bf16",
+        ddp_backend=backend,
+        ddp_find_unused_parameters=False,
+        seed=cfg["seed"],
+        log_level="warning",
+    )
+    torch.manual_seed(cfg["seed"])
+    tokenizer = load_tokenizer(Path(cfg["dataset_dir"]) / "tokenizer")
+    data = load_rows(cfg["dataset_dir"])
+    model = build_model(ModelConfig(**cfg["model"]), tokenizer)
+    clock = StepClock(args.skip, steps, cfg["batch_size"] * data.shape[2], device)
+    callback = Clock(clock)
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=Rows(data), callbacks=[callback]
+    )
+    trainer.train()
+    clock.report(callback.loss, model, data.shape[2])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

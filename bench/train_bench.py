@@ -1,0 +1,758 @@
+"""Benchmark of training throughput (issue 4): kubellm.train against two peers, same work.
+
+On this machine, in one run: the same tiny Llama (kubellm.model.build_model, seeded), the
+same prepared dataset, global batch, sequence length, step count, AdamW settings, clip and
+warmup + cosine schedule, 2 processes under torchrun (gloo on CPU), three contenders:
+
+1. kubellm: `python -m kubellm.train --config <json>` (no checkpoints, no export).
+2. the Hugging Face Trainer (`bench/peers/hf_trainer.py`); target: kubellm >= 1.0 x it.
+3. a minimal hand-written DDP loop (`bench/peers/ddp_loop.py`), the floor; target:
+   kubellm >= 0.95 x it (the engine's overhead is small).
+
+Each is measured the same way: steady-state tokens/s, the tokens of steps (skip, steps]
+over the wall time of those steps on rank 0, so start-up, first-step and warmup costs are
+left out. kubellm's figure comes from its own `tokens_per_sec` metric windows after the
+skip (the only interface the bench relies on: the CLI and its `name=value` lines); the
+peers time the same span themselves. As a cross-check, the parent also timestamps the
+stdout lines that mark the end of step `skip` and of the last step, for all three.
+The contenders run interleaved for `--repeats` rounds (the order rotates); the report gives
+best-of and per-repeat ratios, the final loss of each (they train the same thing, so the
+losses should agree) and MFU where the engine prints it (on CPU against a measured matmul
+peak, on GPUs against the data-sheet bf16 peak): on a GPU machine the same command runs
+the contenders on the GPUs (nccl, bf16) and reads as an MFU report.
+
+    python -m bench.train_bench [--repeats 3] [--out docs/benchmarks-train.md] [--check]
+    python -m bench.train_bench --quick --out /tmp/train-bench.md     # the smoke test's size
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kubellm.jobs import parse_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_HF = 1.0  # kubellm / HF Trainer tokens/s, at least
+TARGET_FLOOR = 0.95  # kubellm / minimal DDP loop tokens/s, at least
+CONTENDERS = ("kubellm", "hf_trainer", "ddp_loop")
+LABELS = {
+    "kubellm": "kubellm.train",
+    "hf_trainer": "HF Trainer",
+    "ddp_loop": "minimal DDP loop",
+}
+MODULES = {
+    "kubellm": "kubellm.train",
+    "hf_trainer": "bench.peers.hf_trainer",
+    "ddp_loop": "bench.peers.ddp_loop",
+}
+
+
+# --- the setup -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything the three contenders share; one TrainConfig JSON carries it to all of them."""
+
+    steps: int
+    skip: int
+    log_every: int
+    batch: int
+    seq_len: int
+    num_records: int
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    nproc: int
+    device: str  # cpu | cuda
+    precision: str  # fp32 | bf16
+    threads: int  # OMP_NUM_THREADS per process
+    seed: int
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq_len
+
+
+def train_config(setup: Setup, dataset_dir: Path, output_dir: Path) -> dict[str, Any]:
+    """The TrainConfig JSON all three read; fields the engine's TrainConfig lacks are dropped.
+
+    The engine is under development: a field it does not (yet) know would fail its strict
+    validation, and one it gained keeps its default, which is reported as-is.
+    """
+    from kubellm.config import TrainConfig
+
+    cfg: dict[str, Any] = {
+        "dataset_dir": str(dataset_dir),
+        "output_dir": str(output_dir),
+        "steps": setup.steps,
+        "batch_size": setup.batch,
+        "learning_rate": setup.learning_rate,
+        "weight_decay": setup.weight_decay,
+        "warmup_steps": setup.warmup_steps,
+        "grad_clip": setup.grad_clip,
+        "seed": setup.seed,
+        "log_every": setup.log_every,
+        "eval_batches": 1,
+        "adam_beta2": setup.adam_beta2,
+        "save_model": False,
+        "backend": "nccl" if setup.device == "cuda" else "gloo",
+        "precision": setup.precision,
+        "strategy": "ddp",
+        "grad_accum_steps": 1,
+        "model": {
+            "hidden_size": setup.hidden,
+            "num_layers": setup.layers,
+            "num_heads": setup.heads,
+            "intermediate_size": setup.intermediate,
+            "max_position_embeddings": max(128, setup.seq_len),
+        },
+    }
+    cfg = {k: v for k, v in cfg.items() if k in TrainConfig.model_fields}
+    TrainConfig.model_validate(cfg)  # fail here, once, rather than in six torchrun jobs
+    return cfg
+
+
+def ensure_dataset(cache_dir: Path, setup: Setup) -> Path:
+    """The synthetic dataset (kubellm.data.prepare), prepared once per shape and cached."""
+    path = cache_dir / (
+        f"train-data-r{setup.num_records}-v{setup.vocab}-s{setup.seq_len}-seed{setup.seed}"
+    )
+    if (path / "manifest.json").is_file():
+        return path
+    from kubellm.data.prepare import PrepareParams, prepare
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".train-data-"))
+    params = PrepareParams(
+        num_records=setup.num_records,
+        vocab_size=setup.vocab,
+        seq_len=setup.seq_len,
+        seed=setup.seed,
+    )
+    with contextlib.redirect_stdout(sys.stderr):
+        prepare(params, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+# --- one run -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    """One contender's figures from one repeat."""
+
+    contender: str
+    repeat: int
+    tokens_per_sec: float  # steady state, the contender's own clock (engine: its windows)
+    parent_tokens_per_sec: float  # the same span timed by the parent from stdout lines
+    loss: float  # the last loss it reports (see the report for what each one means)
+    mfu: float | None  # the engine's, steady windows; None when it prints none
+    flops_per_token: float | None  # peers: the PaLM formula (the engine's MFU formula)
+    threads: int | None  # torch threads per process (peers report it)
+    wall_s: float  # the whole torchrun command, start-up included
+
+
+def command(contender: str, setup: Setup, config: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={setup.nproc}", "-m", MODULES[contender], "--config", str(config)]
+    if contender != "kubellm":
+        cmd += ["--skip", str(setup.skip)]
+    return cmd
+
+
+def child_env(setup: Setup) -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(setup.threads)  # torchrun's default too, but explicit
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_once(
+    contender: str, setup: Setup, config: Path, repeat: int, work: Path, timeout: float
+) -> Run:
+    """Run one contender under torchrun, timestamping each stdout line as it arrives."""
+    cmd = command(contender, setup, config)
+    stamped: list[tuple[float, str]] = []
+    with tempfile.TemporaryFile(mode="w+", dir=work) as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=child_env(setup),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # its own process group: a timeout kills all its ranks
+        )
+        timer = threading.Timer(timeout, _kill_group, (proc,))
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                stamped.append((time.perf_counter(), line.rstrip("\n")))
+            rc = proc.wait()
+        finally:
+            timer.cancel()
+        wall = time.perf_counter() - t0
+        err.seek(0)
+        stderr = err.read()
+    text = "\n".join(line for _, line in stamped)
+    if rc != 0:
+        why = f"timed out after {timeout:.0f} s" if rc in (-9, 137) else f"exit {rc}"
+        raise RuntimeError(
+            f"{contender} failed ({why}): {shlex.join(cmd)}\n--- stdout\n{text[-3000:]}\n"
+            f"--- stderr\n{stderr[-3000:]}"
+        )
+    try:
+        parse = parse_engine if contender == "kubellm" else parse_peer
+        return parse(contender, stamped, setup, repeat, wall)
+    except (ValueError, KeyError, ZeroDivisionError) as e:
+        raise RuntimeError(f"{contender}: cannot read its figures ({e}):\n{text[-3000:]}") from e
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _parent_rate(marks: dict[int, float], setup: Setup) -> float:
+    """Tokens/s of steps (skip, steps] from the parent's timestamps of the two mark lines."""
+    span = marks[setup.steps] - marks[setup.skip]
+    return (setup.steps - setup.skip) * setup.tokens_per_step / span
+
+
+def parse_engine(
+    contender: str, stamped: list[tuple[float, str]], setup: Setup, repeat: int, wall: float
+) -> Run:
+    """kubellm's figures from its metric lines: the windows that start at or after `skip`.
+
+    Each `step=S ... tokens_per_sec=R` line covers the steps since the previous one, so a
+    window of n steps took n x tokens_per_step / R seconds; the steady rate is all those
+    tokens over all those seconds (a step-weighted harmonic mean, not a mean of rates).
+    """
+    prev = 0
+    tokens = seconds = mfu_seconds = 0.0
+    has_mfu = True
+    loss = math.nan
+    marks: dict[int, float] = {}
+    for t, line in stamped:
+        m = parse_metrics(line)
+        if "step" not in m or "tokens_per_sec" not in m:
+            continue
+        step = int(m["step"])
+        marks[step] = t
+        if step == setup.steps:
+            loss = m.get("loss", math.nan)
+        n, start = step - prev, prev
+        prev = step
+        if start < setup.skip or n <= 0:
+            continue
+        window_s = n * setup.tokens_per_step / m["tokens_per_sec"]
+        tokens += n * setup.tokens_per_step
+        seconds += window_s
+        if "mfu" in m:
+            mfu_seconds += m["mfu"] * window_s  # time-weighted: the steady-state MFU
+        else:
+            has_mfu = False
+    if prev != setup.steps or seconds == 0:
+        raise ValueError(f"metric lines end at step {prev}, expected {setup.steps}")
+    return Run(
+        contender=contender,
+        repeat=repeat,
+        tokens_per_sec=tokens / seconds,
+        parent_tokens_per_sec=_parent_rate(marks, setup),
+        loss=loss,
+        mfu=mfu_seconds / seconds if has_mfu else None,
+        flops_per_token=None,
+        threads=None,
+        wall_s=wall,
+    )
+
+
+def parse_peer(
+    contender: str, stamped: list[tuple[float, str]], setup: Setup, repeat: int, wall: float
+) -> Run:
+    """A peer's `bench_*` result line and its two `bench_step=` marks."""
+    result: dict[str, float] = {}
+    marks: dict[int, float] = {}
+    for t, line in stamped:
+        m = parse_metrics(line)
+        if "bench_step" in m:
+            marks[int(m["bench_step"])] = t
+        if "bench_tokens_per_sec" in m:
+            result = m
+    return Run(
+        contender=contender,
+        repeat=repeat,
+        tokens_per_sec=result["bench_tokens_per_sec"],
+        parent_tokens_per_sec=_parent_rate(marks, setup),
+        loss=result.get("bench_loss", math.nan),
+        mfu=None,
+        flops_per_token=result.get("bench_flops_per_token"),
+        threads=int(result["bench_threads"]) if "bench_threads" in result else None,
+        wall_s=wall,
+    )
+
+
+# --- the runs ----------------------------------------------------------------------------
+
+
+def measure(setup: Setup, config: Path, work: Path, repeats: int, timeout: float) -> list[Run]:
+    """All contenders, interleaved; the order rotates so no one always goes first."""
+    runs: list[Run] = []
+    for r in range(repeats):
+        order = CONTENDERS[r % 3 :] + CONTENDERS[: r % 3]
+        got: dict[str, Run] = {}
+        for name in order:
+            got[name] = run_once(name, setup, config, r + 1, work, timeout)
+            runs.append(got[name])
+        k = got["kubellm"].tokens_per_sec
+        print(
+            f"  repeat {r + 1}/{repeats}: "
+            + ", ".join(
+                f"{LABELS[n]} {got[n].tokens_per_sec:,.0f} tok/s (loss {got[n].loss:.3f})"
+                for n in CONTENDERS
+            )
+            + f"; kubellm/HF {k / got['hf_trainer'].tokens_per_sec:.2f}, "
+            f"kubellm/DDP loop {k / got['ddp_loop'].tokens_per_sec:.2f}",
+            flush=True,
+        )
+    return runs
+
+
+def by_contender(runs: list[Run]) -> dict[str, list[Run]]:
+    return {name: [r for r in runs if r.contender == name] for name in CONTENDERS}
+
+
+def ratios(runs: list[Run]) -> dict[str, dict[str, Any]]:
+    """Best-of ratios (the verdict) and per-repeat ratios (the noise check) for both peers."""
+    groups = by_contender(runs)
+    best = {n: max(r.tokens_per_sec for r in rs) for n, rs in groups.items()}
+    out: dict[str, dict[str, Any]] = {}
+    for peer, target in (("hf_trainer", TARGET_HF), ("ddp_loop", TARGET_FLOOR)):
+        per = [
+            k.tokens_per_sec / p.tokens_per_sec
+            for k, p in zip(groups["kubellm"], groups[peer], strict=True)
+        ]
+        ratio = best["kubellm"] / best[peer]
+        out[peer] = {
+            "ratio": ratio,
+            "per_repeat": per,
+            "median": statistics.median(per),
+            "target": target,
+            "pass": ratio >= target,
+        }
+    return out
+
+
+def mfu_of(run: Run, kubellm_run: Run) -> float | None:
+    """MFU: the engine's own figure; a peer's at the same FLOPs/token and peak, by its rate.
+
+    The engine's MFU is tokens/s x FLOPs/token / processes / peak; a peer in the same
+    repeat trains the same model on the same device, so its MFU is the engine's scaled by
+    the ratio of tokens/s (the engine's CPU peak is measured per run, hence same repeat).
+    """
+    if kubellm_run.mfu is None:
+        return None
+    return kubellm_run.mfu * run.tokens_per_sec / kubellm_run.tokens_per_sec
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+def machine_info(setup: Setup) -> dict[str, str]:
+    info = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "nproc": str(len(os.sched_getaffinity(0))),
+        "cpu": platform.processor() or platform.machine(),
+        "memory": "?",
+        "gpu": "none",
+        "python": platform.python_version(),
+    }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        kib = int(Path("/proc/meminfo").read_text().split()[1])
+        info["memory"] = f"{kib / (1 << 20):.1f} GiB"
+    if setup.device == "cuda":
+        import torch
+
+        info["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    for pkg in ("torch", "transformers", "accelerate", "pyarrow"):
+        try:
+            info[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            info[pkg] = "not installed"
+    import kubellm
+
+    info["kubellm source"] = str(Path(kubellm.__file__).resolve().parent)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        if rev.returncode == 0:
+            head = rev.stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--", "src/kubellm"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            info["git HEAD"] = head + (" (+ uncommitted changes in src/kubellm)" if dirty else "")
+    return info
+
+
+def _load() -> str:
+    with contextlib.suppress(OSError):
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return "?"
+
+
+def _fmt(x: float | None, spec: str = ",.0f") -> str:
+    return format(x, spec) if x is not None and math.isfinite(x) else "n/a"
+
+
+def _verdict(ok: bool) -> str:
+    return "pass" if ok else "FAIL"
+
+
+def report(
+    setup: Setup,
+    runs: list[Run],
+    info: dict[str, str],
+    cmd: str,
+    dataset: dict[str, Any],
+    loads: tuple[str, str],
+) -> tuple[str, str, dict[str, dict[str, Any]]]:
+    """(the results table, the whole markdown report, the ratios)."""
+    groups = by_contender(runs)
+    rat = ratios(runs)
+    best = {n: max(rs, key=lambda r: r.tokens_per_sec) for n, rs in groups.items()}
+    kub = best["kubellm"].tokens_per_sec
+    rows = [
+        "| metric | kubellm | peer | ratio | target | result |",
+        "|---|---:|---:|---:|---|---|",
+    ]
+    for peer, title in (
+        ("hf_trainer", "tokens/s vs HF Trainer"),
+        ("ddp_loop", "tokens/s vs minimal DDP loop"),
+    ):
+        x = rat[peer]
+        rows.append(
+            f"| {title} (per repeat {', '.join(f'{v:.2f}' for v in x['per_repeat'])}) "
+            f"| {_fmt(kub)} | {_fmt(best[peer].tokens_per_sec)} | {x['ratio']:.2f} "
+            f"| ≥ {x['target']} | {_verdict(x['pass'])} |"
+        )
+    table = "\n".join(rows)
+
+    n = len(groups["kubellm"])
+    header = " | ".join(f"run {i + 1}" for i in range(n))
+    contender_rows = []
+    for name, rs in groups.items():
+        rates = " | ".join(_fmt(r.tokens_per_sec) for r in rs)
+        parent = ", ".join(_fmt(r.parent_tokens_per_sec) for r in rs)
+        losses = ", ".join(_fmt(r.loss, ".4f") for r in rs)
+        mfus = ", ".join(
+            _fmt(mfu_of(r, k), ".1%") for r, k in zip(rs, groups["kubellm"], strict=True)
+        )
+        walls = ", ".join(f"{r.wall_s:.0f}" for r in rs)
+        contender_rows.append(
+            f"| {LABELS[name]} | {rates} | {_fmt(best[name].tokens_per_sec)} "
+            f"| {_fmt(statistics.median(r.tokens_per_sec for r in rs))} | {parent} | {losses} "
+            f"| {mfus} | {walls} |"
+        )
+    fpt = next((r.flops_per_token for r in runs if r.flops_per_token), None)
+    gflops = (
+        ", ".join(
+            f"{LABELS[n]} {_fmt(best[n].tokens_per_sec * fpt / 1e9, ',.2f')}" for n in CONTENDERS
+        )
+        if fpt
+        else "n/a"
+    )
+    threads = sorted({r.threads for r in runs if r.threads is not None})
+    engine_mfu = "; ".join(f"run {r.repeat}: {_fmt(r.mfu, '.1%')}" for r in groups["kubellm"])
+    mfu_note = (
+        f"the engine printed `mfu=` ({engine_mfu}); the peers' MFU is the engine's scaled by "
+        "their tokens/s in the same repeat (same model, FLOPs/token and device peak)."
+        if all(r.mfu is not None for r in groups["kubellm"])
+        else "the engine printed no `mfu=` value in this run: MFU is n/a."
+    )
+    machine = "\n".join(f"| {k} | {v} |" for k, v in info.items())
+    data_line = (
+        f"{dataset['rows']['train']:,} train rows of {setup.seq_len} tokens "
+        f"({dataset['tokens']['train']:,} tokens; {int(dataset['records']['read']):,} synthetic "
+        f"records, BPE vocab {dataset['tokenizer'].get('vocab_size', '?')})"
+    )
+    dev = (
+        f"{setup.nproc} processes, gloo, CPU, {setup.threads} torch thread(s) each"
+        if setup.device == "cpu"
+        else f"{setup.nproc} process(es), nccl, one GPU each"
+    )
+    md = f"""# Training-throughput benchmark
+
+Issue 4's targets, measured in one run on this machine ({info["nproc"]} CPUs, \
+{info["date"]}). Rerun with `make bench` (or `make bench-train`), or:
+
+```
+{cmd}
+```
+
+## Results
+
+{table}
+
+Steady-state tokens/s, best of {n} interleaved repeat(s) (the order of the three rotates each
+repeat); the ratio in brackets is kubellm over the peer within each repeat, runs seconds
+apart (the machine is shared: load average {loads[0]} at the start, {loads[1]} at the end).
+
+## Runs
+
+| contender | {header} | best | median | parent clock, per run | final loss, per run \
+| MFU, per run | wall s, per run |
+|---|{"---:|" * n}---:|---:|---|---|---|---|
+{chr(10).join(contender_rows)}
+
+- tokens/s: tokens of steps {setup.skip + 1} to {setup.steps} ({setup.tokens_per_step:,} per
+  step) over the wall time of those steps on rank 0. kubellm: from its own
+  `tokens_per_sec` windows (`log_every={setup.log_every}`) that start at or after step
+  {setup.skip}, all tokens over all seconds. Peers: `time.perf_counter()` on rank 0 at the
+  end of step {setup.skip} and of step {setup.steps} (the HF Trainer's in a TrainerCallback's
+  `on_step_end`), with a device sync on GPUs.
+- parent clock: the same span timed by this process from the arrival of the stdout line
+  marking step {setup.skip} and step {setup.steps} (kubellm: its metric lines; peers:
+  `bench_step=` marks); includes what the engine's own windows leave out (printing).
+- final loss: kubellm and the DDP loop, the last step's loss averaged over the ranks (same
+  initial weights, same rows in the same order: they should agree to a few decimals); HF
+  Trainer, its last logged loss (mean of the last {setup.log_every} steps, its own data order).
+- MFU: {mfu_note}
+- Achieved model FLOP/s (PaLM formula, {_fmt(fpt, ",.0f")} FLOPs/token), best run, GFLOP/s:
+  {gflops}.
+- wall s: the whole torchrun command (start-up, data load, eval at the end included).
+
+## What is compared
+
+All three: `python -m torch.distributed.run --standalone --nproc_per_node={setup.nproc}`,
+{dev} (`OMP_NUM_THREADS={setup.threads}` set for all; peers report \
+{", ".join(map(str, threads)) or "?"} thread(s)),
+precision {setup.precision}, the same TrainConfig JSON: Llama from `kubellm.model.build_model`
+(hidden {setup.hidden}, {setup.layers} layers, {setup.heads} heads, intermediate \
+{setup.intermediate}), seeded with `torch.manual_seed({setup.seed})` before it is built;
+{data_line}; global batch {setup.batch} ({setup.batch // setup.nproc} per process),
+{setup.steps} steps, AdamW lr {setup.learning_rate:g}, betas (0.9, {setup.adam_beta2}),
+weight decay {setup.weight_decay:g}, grad clip {setup.grad_clip:g}, {setup.warmup_steps} warmup
+steps then cosine to 10 % of the peak.
+
+- **kubellm.train**: `python -m kubellm.train --config <json>` (save_model false, no
+  checkpoints, one eval batch at the end, outside the measured steps).
+- **HF Trainer** (`bench/peers/hf_trainer.py`): `transformers.Trainer` with
+  `TrainingArguments(per_device_train_batch_size={setup.batch // setup.nproc},
+  max_steps={setup.steps}, lr_scheduler_type="cosine_with_min_lr" (min_lr_rate 0.1),
+  max_grad_norm, logging_steps={setup.log_every}, save_strategy="no", report_to="none",
+  dataloader_num_workers=0, use_cpu on CPU, ddp_find_unused_parameters=False)`, otherwise
+  its defaults (optimizer `adamw_torch_fused`); rows from the same Parquet shards as a
+  torch Dataset, labels -100 where loss_mask is 0.
+- **minimal DDP loop** (`bench/peers/ddp_loop.py`): init_process_group, build_model, DDP,
+  AdamW, LambdaLR with the same schedule; per step: the rank's rows of the global batch (a
+  seeded permutation per epoch, the engine's order), forward with labels, backward,
+  clip_grad_norm_, step, zero_grad; nothing else.
+
+## Machine
+
+| | |
+|---|---|
+{machine}
+"""
+    return table, md, rat
+
+
+# --- main --------------------------------------------------------------------------------
+
+FULL = {
+    "steps": 400,
+    "skip": 40,
+    "log_every": 20,
+    "batch": 64,
+    "seq_len": 32,
+    "num_records": 20000,
+    "hidden": 128,
+    "layers": 3,
+    "heads": 4,
+    "intermediate": 256,
+    "repeats": 3,
+    "timeout": 900.0,
+}
+QUICK = {
+    "steps": 24,
+    "skip": 8,
+    "log_every": 4,
+    "batch": 16,
+    "seq_len": 32,
+    "num_records": 1000,
+    "hidden": 32,
+    "layers": 1,
+    "heads": 2,
+    "intermediate": 64,
+    "repeats": 1,
+    "timeout": 180.0,
+}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--repeats", type=int, help="interleaved rounds (default 3; quick 1)")
+    ap.add_argument("--steps", type=int, help="optimizer steps per run (default 400)")
+    ap.add_argument("--skip", type=int, help="warmup steps left out (multiple of log-every)")
+    ap.add_argument("--log-every", type=int, help="kubellm's metric window (default 20)")
+    ap.add_argument("--batch", type=int, help="global batch, sequences (default 64)")
+    ap.add_argument("--seq-len", type=int, help="dataset sequence length (default 32)")
+    ap.add_argument("--num-records", type=int, help="synthetic records (default 20000)")
+    ap.add_argument("--hidden", type=int, help="model width (default 128)")
+    ap.add_argument("--layers", type=int, help="decoder layers (default 3)")
+    ap.add_argument("--heads", type=int, help="attention heads (default 4)")
+    ap.add_argument("--intermediate", type=int, help="MLP width (default 256)")
+    ap.add_argument("--timeout", type=float, help="seconds per torchrun run before it is killed")
+    ap.add_argument("--vocab", type=int, default=512, help="BPE vocabulary asked of prepare")
+    ap.add_argument("--nproc", type=int, help="processes (default 2; on GPUs min(2, #GPUs))")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto")
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS per process (CPUs / nproc)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="docs/benchmarks-train.md", help="markdown report")
+    ap.add_argument("--json", default="", help="also write the figures as JSON here")
+    ap.add_argument("--cache-dir", default="runs/bench", help="dataset cache and scratch")
+    ap.add_argument("--quick", action="store_true", help="tiny model and steps, 1 repeat")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    args = ap.parse_args(argv)
+    for name, full in FULL.items():
+        if getattr(args, name) is None:
+            setattr(args, name, QUICK[name] if args.quick else full)
+    if args.skip % args.log_every or not 0 < args.skip < args.steps:
+        ap.error("--skip must be a multiple of --log-every and less than --steps")
+    if args.steps % args.log_every:
+        ap.error("--steps must be a multiple of --log-every (whole metric windows)")
+    return args
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    nproc = args.nproc or (2 if device == "cpu" else max(1, min(2, torch.cuda.device_count())))
+    precision = args.precision
+    if precision == "auto":
+        precision = "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    threads = args.threads or max(1, len(os.sched_getaffinity(0)) // nproc)
+    if args.batch % nproc:
+        raise SystemExit(f"--batch {args.batch} must be divisible by {nproc} processes")
+    return Setup(
+        steps=args.steps,
+        skip=args.skip,
+        log_every=args.log_every,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        num_records=args.num_records,
+        vocab=args.vocab,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        intermediate=args.intermediate,
+        nproc=nproc,
+        device=device,
+        precision=precision,
+        threads=threads,
+        seed=args.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cmd = shlex.join(
+        ["python", "-m", "bench.train_bench", *(sys.argv[1:] if argv is None else argv)]
+    )
+    setup = make_setup(args)
+    cache = Path(args.cache_dir).resolve()
+    work = cache / "work"
+    work.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    dataset_dir = ensure_dataset(cache, setup)
+    manifest = json.loads((dataset_dir / "manifest.json").read_text())
+    scratch = Path(tempfile.mkdtemp(dir=work, prefix="train-"))
+    try:
+        config = scratch / "train.json"
+        cfg = train_config(setup, dataset_dir, scratch / "model")
+        config.write_text(json.dumps(cfg, indent=2))
+        print(
+            f"dataset: {dataset_dir} ({manifest['rows']['train']:,} rows x {setup.seq_len})\n"
+            f"setup: {setup.nproc} x {setup.device} ({setup.precision}, {setup.threads} "
+            f"thread(s)), batch {setup.batch}, {setup.steps} steps (first {setup.skip} "
+            f"skipped), {args.repeats} interleaved repeat(s)",
+            flush=True,
+        )
+        info = machine_info(setup)  # before the runs: the engine source they ran (git HEAD)
+        load_start = _load()
+        runs = measure(setup, config, work, args.repeats, args.timeout)
+        load_end = _load()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    table, md, rat = report(setup, runs, info, cmd, manifest, (load_start, load_end))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(md)
+    if args.json:
+        figures = {
+            "setup": dataclasses.asdict(setup),
+            "ratios": rat,
+            "runs": [dataclasses.asdict(r) for r in runs],
+            "config": cfg,
+        }
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    print()
+    print(table)
+    for r in runs:
+        if r.contender == "kubellm" and r.mfu is not None:
+            print(f"kubellm mfu (run {r.repeat}): {r.mfu:.1%}")
+    print(f"\nwrote {out} ({time.perf_counter() - t0:.0f} s)")
+    ok = all(x["pass"] for x in rat.values())
+    return 1 if args.check and not ok else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
