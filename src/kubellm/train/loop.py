@@ -294,11 +294,16 @@ class _Run:
         self.model = model  # unwrapped (FSDP2 shards it in place; DDP wraps it)
         self.engine = wrap(model, cfg, plan, world)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # One fused kernel per step where the parameters are plain tensors (DDP, one
+        # process); FSDP2's DTensor parameters take the multi-tensor (foreach) path.
+        fused = cfg.strategy == "ddp" or world == 1
         self.opt = torch.optim.AdamW(
             self.params,
             lr=cfg.learning_rate,
             weight_decay=cfg.weight_decay,
             betas=(0.9, cfg.adam_beta2),
+            fused=fused or None,
+            foreach=None if fused else True,
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps)
