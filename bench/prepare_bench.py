@@ -25,12 +25,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.metadata
 import io
 import json
 import math
 import os
-import platform
 import resource
 import shlex
 import shutil
@@ -40,7 +38,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +45,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the peer reads local files 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.corpus import MIB, Corpus, ensure_corpus, kept_texts
+from bench.machine import machine_info as base_machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 8192
@@ -334,35 +332,9 @@ def measure_throughput(
 
 
 def machine_info() -> dict[str, str]:
-    info = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "nproc": str(len(os.sched_getaffinity(0))),
-        "cpu": platform.processor() or platform.machine(),
-        "memory": "?",
-        "python": platform.python_version(),
-    }
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        kib = int(Path("/proc/meminfo").read_text().split()[1])
-        info["memory"] = f"{kib / MIB:.1f} GiB"
-    for pkg in ("torch", "tokenizers", "transformers", "pyarrow", "datasets", "numpy"):
-        try:
-            info[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            info[pkg] = "not installed"
-    import kubellm
-
-    info["kubellm source"] = str(Path(kubellm.__file__).resolve().parent)
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        )
-        if rev.returncode == 0:
-            info["git HEAD"] = rev.stdout.strip()
-    return info
+    return base_machine_info(
+        ("torch", "tokenizers", "transformers", "pyarrow", "datasets", "numpy")
+    )
 
 
 def _fmt(x: float) -> str:

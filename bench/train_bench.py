@@ -30,11 +30,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -44,10 +42,10 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.machine import machine_info as base_machine_info
 from kubellm.jobs import parse_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -393,46 +391,12 @@ def mfu_of(run: Run, kubellm_run: Run) -> float | None:
 
 
 def machine_info(setup: Setup) -> dict[str, str]:
-    info = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "nproc": str(len(os.sched_getaffinity(0))),
-        "cpu": platform.processor() or platform.machine(),
-        "memory": "?",
-        "gpu": "none",
-        "python": platform.python_version(),
-    }
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-        kib = int(Path("/proc/meminfo").read_text().split()[1])
-        info["memory"] = f"{kib / (1 << 20):.1f} GiB"
+    info = base_machine_info(("torch", "transformers", "accelerate", "pyarrow"))
+    info["gpu"] = "none"
     if setup.device == "cuda":
         import torch
 
         info["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-    for pkg in ("torch", "transformers", "accelerate", "pyarrow"):
-        try:
-            info[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            info[pkg] = "not installed"
-    import kubellm
-
-    info["kubellm source"] = str(Path(kubellm.__file__).resolve().parent)
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        )
-        if rev.returncode == 0:
-            head = rev.stdout.strip()
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain", "--", "src/kubellm"],
-                cwd=REPO,
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-            info["git HEAD"] = head + (" (+ uncommitted changes in src/kubellm)" if dirty else "")
     return info
 
 

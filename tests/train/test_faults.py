@@ -86,6 +86,12 @@ class Launch:
         return code
 
 
+def _endless(dataset: Path, tmp: Path, ckpt: Path) -> Path:
+    """A run that only a signal ends (100,000 steps), checkpointing into `ckpt`."""
+    cfg = tiny_config(dataset, tmp / "m", steps=100_000, log_every=20, checkpoint_dir=str(ckpt))
+    return write_config(tmp / "c.json", cfg)
+
+
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(model_dir / "model.safetensors")
 
@@ -119,10 +125,7 @@ def test_sigterm_checkpoints_exits_with_the_documented_code_and_a_restart_contin
     tiny_dataset: Path, tmp_path: Path
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    cfg = tiny_config(
-        tiny_dataset, tmp_path / "m", steps=100_000, log_every=20, checkpoint_dir=str(ckpt)
-    )
-    config = write_config(tmp_path / "c.json", cfg)
+    config = _endless(tiny_dataset, tmp_path, ckpt)
     run = Launch(config)
     run.wait_for(r"^step=40 ")
     run.proc.send_signal(signal.SIGTERM)  # what the kubelet sends the pod's main process
@@ -143,10 +146,7 @@ def test_sigusr1_to_one_worker_stops_every_rank_at_the_same_step(
     tiny_dataset: Path, tmp_path: Path
 ) -> None:
     ckpt = tmp_path / "ckpt"
-    cfg = tiny_config(
-        tiny_dataset, tmp_path / "m", steps=100_000, log_every=20, checkpoint_dir=str(ckpt)
-    )
-    run = Launch(write_config(tmp_path / "c.json", cfg))
+    run = Launch(_endless(tiny_dataset, tmp_path, ckpt))
     run.wait_for(r"^step=40 ")
     os.kill(run.workers()[-1], signal.SIGUSR1)  # rank 1 only: the ranks must agree
     assert run.finish() == EXIT_PREEMPTED, run.logs[-3000:]
