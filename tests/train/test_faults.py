@@ -99,7 +99,8 @@ def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def test_sigkilled_worker_is_restarted_and_ends_equal_to_an_uninterrupted_run(
     tiny_dataset: Path, tmp_path: Path
 ) -> None:
-    values = {"steps": 400, "log_every": 50, "checkpoint_every": 50}
+    # long enough that the kill lands mid-run even on a loaded machine (~5 ms a step here)
+    values = {"steps": 1500, "log_every": 100, "checkpoint_every": 50}
     ref_cfg = tiny_config(tiny_dataset, tmp_path / "ref", **values)
     ref = Launch(write_config(tmp_path / "ref.json", ref_cfg))
     assert ref.finish() == 0, ref.logs[-3000:]
