@@ -99,11 +99,7 @@ class Setup:
 
 
 def train_config(setup: Setup, dataset_dir: Path, output_dir: Path) -> dict[str, Any]:
-    """The TrainConfig JSON all three read; fields the engine's TrainConfig lacks are dropped.
-
-    The engine is under development: a field it does not (yet) know would fail its strict
-    validation, and one it gained keeps its default, which is reported as-is.
-    """
+    """The TrainConfig JSON all three read."""
     from kubellm.config import TrainConfig
 
     cfg: dict[str, Any] = {
@@ -132,7 +128,6 @@ def train_config(setup: Setup, dataset_dir: Path, output_dir: Path) -> dict[str,
             "max_position_embeddings": max(128, setup.seq_len),
         },
     }
-    cfg = {k: v for k, v in cfg.items() if k in TrainConfig.model_fields}
     TrainConfig.model_validate(cfg)  # fail here, once, rather than in six torchrun jobs
     return cfg
 

@@ -2,9 +2,10 @@
 
 The peers (`hf_trainer`, `ddp_loop`) are run by `bench.train_bench` under torchrun, on the
 same TrainConfig JSON that `python -m kubellm.train --config` gets, so the three contenders
-cannot drift apart on model shape, batch, steps or optimizer settings. The helpers here
-import nothing from `kubellm.train` (the engine under test): a peer that borrowed the
-engine's code would measure the engine, not itself.
+cannot drift apart on model shape, batch, steps or optimizer settings. They share the
+engine's pure pieces, which by definition must be the same (the rows from the Parquet
+shards, read before the clock starts; the lr schedule; the FLOPs formula), and never its
+training step: each peer's step is its own, and that is what is measured.
 
 Each peer prints, on rank 0, `bench_step=K` marks (at the end of the warmup skip and of
 the last step; the parent timestamps them as a cross-check) and one result line:
@@ -14,7 +15,6 @@ the last step; the parent timestamps them as a cross-check) and one result line:
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kubellm.config import TrainConfig
+from kubellm.train.loader import load_split
+from kubellm.train.mfu import model_flops_per_token
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -33,72 +37,13 @@ def parse_args(description: str) -> argparse.Namespace:
 
 
 def read_config(path: str) -> dict[str, Any]:
-    """The JSON as a dict with TrainConfig's defaults for the fields the peers use."""
-    cfg: dict[str, Any] = {
-        "steps": 300,
-        "batch_size": 32,
-        "learning_rate": 3e-3,
-        "weight_decay": 0.0,
-        "warmup_steps": 20,
-        "grad_clip": 1.0,
-        "seed": 0,
-        "log_every": 20,
-        "adam_beta2": 0.999,
-        "backend": "auto",
-        "precision": "fp32",
-        "model": {},
-    }
-    cfg.update(json.loads(Path(path).read_text()))
-    return cfg
+    """The JSON validated as a TrainConfig, as a dict with every default filled in."""
+    return TrainConfig.model_validate_json(Path(path).read_text()).model_dump()
 
 
-def load_rows(dataset_dir: str, split: str = "train") -> torch.Tensor:
-    """Shape (2, N, seq_len): input ids and labels (-100 where loss_mask is 0).
-
-    Read through numpy (not Python lists): the load is outside the timed steps either way,
-    but it keeps the peers' start-up short.
-    """
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    files = sorted((Path(dataset_dir) / split).glob("*.parquet"))
-    if not files:
-        raise SystemExit(f"{dataset_dir}/{split} has no Parquet shards")
-    table = pa.concat_tables(pq.read_table(f) for f in files)
-
-    def matrix(name: str) -> Any:
-        col = table.column(name).combine_chunks()
-        flat = col.flatten().to_numpy(zero_copy_only=False)
-        return flat.reshape(len(col), -1)
-
-    ids = torch.from_numpy(matrix("input_ids").astype(np.int64))
-    labels = ids.clone()
-    if "loss_mask" in table.column_names:
-        mask = torch.from_numpy(matrix("loss_mask").astype(np.bool_))
-        labels = labels.masked_fill(~mask, -100)
-    return torch.stack([ids, labels])
-
-
-def lr_factor(step: int, warmup: int, total: int) -> float:
-    """Linear warmup, then cosine decay to 10 % of the peak (the engine's documented schedule)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM appendix: 6 x non-embedding params + 12·L·H·Q·T.
-
-    The same formula the engine's MFU uses, so achieved FLOP/s compare across contenders.
-    """
-    c: Any = model.config
-    n_params = sum(p.numel() for p in model.parameters())
-    n_embed = model.get_input_embeddings().weight.numel()  # type: ignore[operator]
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    attention = 12.0 * c.num_hidden_layers * c.num_attention_heads * head_dim * seq_len
-    return 6.0 * (n_params - n_embed) + attention
+def load_rows(dataset_dir: str) -> torch.Tensor:
+    """The train split as (2, N, seq_len) int64 input ids and labels, made once up front."""
+    return load_split(dataset_dir, "train").long()
 
 
 def pick_device(backend: str) -> tuple[torch.device, str]:
@@ -150,7 +95,8 @@ class StepClock:
         params = sum(p.numel() for p in model.parameters())
         print(
             f"bench_tokens_per_sec={self.tokens_per_sec():.6g} bench_loss={loss:.6g} "
-            f"bench_params={params} bench_flops_per_token={flops_per_token(model, seq_len):.6g} "
+            f"bench_params={params} "
+            f"bench_flops_per_token={model_flops_per_token(model, seq_len):.6g} "
             f"bench_threads={torch.get_num_threads()}",
             flush=True,
         )

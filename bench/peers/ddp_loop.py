@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.peers import StepClock, load_rows, lr_factor, parse_args, pick_device, read_config
+from bench.peers import StepClock, load_rows, parse_args, pick_device, read_config
 from kubellm.config import ModelConfig
 from kubellm.data.tokenizer import load_tokenizer
 from kubellm.model import build_model
+from kubellm.train.loop import lr_factor
 
 
 def main() -> int:

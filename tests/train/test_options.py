@@ -184,11 +184,14 @@ def test_pretrained_model_problems_are_config_errors(
     tiny_dataset: Path, hf_model: Path, tmp_path: Path
 ) -> None:
     short = tiny_config(tiny_dataset, tmp_path / "m", model_name_or_path=str(hf_model))
+    base = json.loads((hf_model / "config.json").read_text())
     remote = tmp_path / "remote-code"
     remote.mkdir()
-    config = json.loads((hf_model / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"}
-    config["model_type"] = "evil"
+    config = {
+        **base,
+        "auto_map": {"AutoConfig": "configuration_evil.EvilConfig"},
+        "model_type": "evil",
+    }
     (remote / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"invalid model_name_or_path=.*remote-code"):
         check(short.model_copy(update={"model_name_or_path": str(remote)}), world_size=1)
@@ -203,13 +206,9 @@ def test_pretrained_model_problems_are_config_errors(
 
     small = tmp_path / "small-vocab"
     small.mkdir()
-    (small / "config.json").write_text(json.dumps({**config_of(hf_model), "vocab_size": 10}))
+    (small / "config.json").write_text(json.dumps({**base, "vocab_size": 10}))
     with pytest.raises(ConfigError, match="vocab_size is 10"):
         check(short.model_copy(update={"model_name_or_path": str(small)}), world_size=1)
-
-
-def config_of(model_dir: Path) -> dict:
-    return json.loads((model_dir / "config.json").read_text())
 
 
 def test_lora_target_that_does_not_exist_is_a_config_error(

@@ -41,10 +41,8 @@ from kubellm.data.tokenizer import load_tokenizer
 from kubellm.jobs import format_metrics
 from kubellm.model import build_model as build_from_config
 from kubellm.train import checkpoint, mfu
-from kubellm.train.loader import DistributedLoader, batch_indices, load_split
+from kubellm.train.loader import DistributedLoader, load_split
 from kubellm.train.preempt import EXIT_PREEMPTED, Preemption
-
-__all__ = ["EXIT_PREEMPTED", "batch_indices", "load_split", "main", "train"]
 
 
 class Preempted(Exception):
@@ -71,7 +69,6 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
 class Plan:
     """What `check` established: the run's shapes, and the pieces it already loaded."""
 
-    manifest: dict[str, Any]
     tokenizer: Any
     micro_batch: int
     seq_len: int
@@ -131,7 +128,7 @@ def check(cfg: TrainConfig, world_size: int, local_rank: int = 0) -> Plan:
     bf16 = cfg.precision == "bf16" or (
         cfg.precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     )
-    return Plan(manifest, tokenizer, micro, seq_len, device, backend, bf16)
+    return Plan(tokenizer, micro, seq_len, device, backend, bf16)
 
 
 def _base_model(model: Any) -> Any:
@@ -145,11 +142,22 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def build_model(cfg: TrainConfig, tokenizer: Any) -> torch.nn.Module:
-    """The model to train, on CPU, in float32, identical on every rank (seeded)."""
+def build_model(cfg: TrainConfig, tokenizer: Any, weights: bool = True) -> torch.nn.Module:
+    """The model to train, on CPU, in float32, identical on every rank (seeded).
+
+    `weights=False` skips reading a pretrained model's weights: the same modules, to be
+    filled with `load_state_dict` (the FSDP export's rank-0 copy).
+    """
     torch.manual_seed(cfg.seed)
     model: Any
-    if cfg.model_name_or_path:
+    if cfg.model_name_or_path and not weights:
+        from transformers import AutoModelForCausalLM
+
+        hf = _hf_config(cfg)
+        model = AutoModelForCausalLM.from_config(
+            hf, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32
+        )
+    elif cfg.model_name_or_path:
         from transformers import AutoModelForCausalLM
 
         try:
@@ -255,16 +263,6 @@ def _duration(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
-
-
-def _flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    base = _base_model(model)
-    c = base.config
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    n_params = sum(p.numel() for p in model.parameters())
-    n_embed = base.get_input_embeddings().weight.numel()
-    return mfu.flops_per_token(n_params, n_embed, c.num_hidden_layers, heads, head_dim, seq_len)
 
 
 def train(cfg: TrainConfig) -> dict[str, float]:
@@ -408,7 +406,7 @@ class _Run:
             f"grad_accum_steps={cfg.grad_accum_steps} steps={cfg.steps}"
         )
         tokens_per_step = cfg.batch_size * plan.seq_len
-        fpt = _flops_per_token(self.model, plan.seq_len)
+        fpt = mfu.model_flops_per_token(self.model, plan.seq_len)
         peak = mfu.device_peak(plan.device)
         start = self.resume()
         last: dict[str, float] = {}
@@ -507,7 +505,8 @@ class _Run:
             )
             if self.rank != 0:
                 return
-            model = build_model(self.cfg.model_copy(update={"compile": False}), self.plan.tokenizer)
+            skeleton = self.cfg.model_copy(update={"compile": False})
+            model = build_model(skeleton, self.plan.tokenizer, weights=False)
             model.load_state_dict(full)
         if self.rank != 0:
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -43,6 +44,17 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token: 6·N (non-embedding) + 12·L·H·Q·T."""
     return 6.0 * (n_params - n_embedding) + 12.0 * layers * heads * head_dim * seq_len
+
+
+def model_flops_per_token(model: Any, seq_len: int) -> float:
+    """`flops_per_token` of a Hugging Face causal LM (under a PEFT wrapper too)."""
+    base: Any = model.get_base_model() if hasattr(model, "get_base_model") else model
+    c = base.config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    n_params = sum(p.numel() for p in model.parameters())
+    n_embed = base.get_input_embeddings().weight.numel()
+    return flops_per_token(n_params, n_embed, c.num_hidden_layers, heads, head_dim, seq_len)
 
 
 def gpu_peak(name: str) -> float | None:
