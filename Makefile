@@ -33,10 +33,11 @@ test: $(STAMP) ## Run the full test suite (what CI runs)
 	$(BIN)/python -m pytest $(ARGS)
 
 .PHONY: lint
-lint: $(STAMP) ## ruff lint + format check, mypy on src
+lint: $(STAMP) ## ruff lint + format check, mypy on src, import layering (lint-imports)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 .PHONY: format
 format: $(STAMP) ## Apply ruff fixes and formatting
@@ -57,6 +58,22 @@ bench-prepare: $(STAMP) ## prepare_data vs encode_batch and datasets.map; memory
 .PHONY: bench-train
 bench-train: $(STAMP) ## Training tokens/s: kubellm.train vs HF Trainer and a minimal DDP loop
 	$(BIN)/python -m bench.train_bench --repeats 3 --out docs/benchmarks-train.md $(ARGS)
+
+CRDS_DIR := tests/fixtures/crds
+
+.PHONY: update-crds
+update-crds: ## Re-fetch the vendored CRD schemas (tests/fixtures/crds) at the commits in its README
+	@set -euo pipefail; \
+	rows=$$(awk -F'|' '$$2 ~ /\.(yaml|json) *$$/ { for (i = 2; i <= 6; i++) gsub(/[ `]/, "", $$i); print $$2, $$3, $$4, $$5 }' $(CRDS_DIR)/README.md); \
+	test -n "$$rows" || { echo "no files listed in $(CRDS_DIR)/README.md" >&2; exit 1; }; \
+	while read -r file repo path commit; do \
+	  url="https://raw.githubusercontent.com/$$repo/$$commit/$$path"; \
+	  echo "$$file <- $$url"; \
+	  curl -fsSL --retry 3 --connect-timeout 20 -o "$(CRDS_DIR)/$$file.part" "$$url" \
+	    || { rm -f "$(CRDS_DIR)/$$file.part"; exit 1; }; \
+	  mv "$(CRDS_DIR)/$$file.part" "$(CRDS_DIR)/$$file"; \
+	done <<< "$$rows"; \
+	cd $(CRDS_DIR) && echo "sha256 (the README's last column):" && sha256sum $$(awk '{print $$1}' <<< "$$rows")
 
 .PHONY: mlflow-ui
 mlflow-ui: $(STAMP) ## Open the MLflow UI on the local results (127.0.0.1:5000)

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 def machine_info(packages: tuple[str, ...]) -> dict[str, str]:
     """Date, CPUs, memory, Python and `packages` versions, the kubellm source and git HEAD.
 
-    HEAD is marked when src/kubellm has uncommitted changes: the figures are then not
-    those of the commit.
+    "git HEAD" is `git_commit()`: the short hash, with "-dirty" when src/ or bench/ has
+    uncommitted changes (the figures are then not those of the commit).
     """
     info = {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -41,18 +41,29 @@ def machine_info(packages: tuple[str, ...]) -> dict[str, str]:
     import kubellm
 
     info["kubellm source"] = str(Path(kubellm.__file__).resolve().parent)
+    commit = git_commit()
+    if commit:
+        info["git HEAD"] = commit
+    return info
+
+
+def git_commit() -> str:
+    """`git rev-parse --short HEAD`, plus "-dirty" when src/ or bench/ has uncommitted changes.
+
+    The figures of a dirty tree are not those of the commit: the mark says so. "" outside a
+    git checkout.
+    """
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         rev = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
         )
         if rev.returncode == 0:
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain", "--", "src/kubellm"],
+            status = subprocess.run(
+                ["git", "status", "--porcelain", "--", "src", "bench"],
                 cwd=REPO,
                 capture_output=True,
                 text=True,
-            ).stdout.strip()
-            info["git HEAD"] = rev.stdout.strip() + (
-                " (+ uncommitted changes in src/kubellm)" if dirty else ""
             )
-    return info
+            dirty = status.returncode != 0 or bool(status.stdout.strip())
+            return rev.stdout.strip() + ("-dirty" if dirty else "")
+    return ""

@@ -179,7 +179,8 @@ def ensure_tokenizer(cache_dir: Path, corpus: Corpus, seed: int) -> Path:
         size += len(text)
         if size >= TOKENIZER_SAMPLE_MIB * MIB:
             break
-    path = cache_dir / f"tokenizer-bpe{VOCAB}-seed{seed}-docs{len(sample)}"
+    kind = "" if corpus.kind == "clean" else f"-{corpus.kind}"
+    path = cache_dir / f"tokenizer-bpe{VOCAB}{kind}-seed{seed}-docs{len(sample)}"
     if (path / "tokenizer.json").is_file():
         return path
     from kubellm.data.tokenizer import train_bpe

@@ -1,6 +1,6 @@
 """Benchmark of training throughput (issue 4): kubellm.train against two peers, same work.
 
-On this machine, in one run: the same tiny Llama (kubellm.model.build_model, seeded), the
+On this machine, in one run: the same tiny Llama (kubellm.train.model.new_llama, seeded), the
 same prepared dataset, global batch, sequence length, step count, AdamW settings, clip and
 warmup + cosine schedule, 2 processes under torchrun (gloo on CPU), three contenders:
 
@@ -20,6 +20,13 @@ best-of and per-repeat ratios, the final loss of each (they train the same thing
 losses should agree) and MFU where the engine prints it (on CPU against a measured matmul
 peak, on GPUs against the data-sheet bf16 peak): on a GPU machine the same command runs
 the contenders on the GPUs (nccl, bf16) and reads as an MFU report.
+
+Like with like is recorded, not assumed: each peer prints what it actually built (its
+optimizer's class, fused / foreach, lr, betas, eps, weight decay; the model's class,
+parameters and a hash of its initial weights; batch per process, precision, torch
+threads), and a one-step probe run of the engine (`bench/peers/engine_probe.py`, before
+the measured runs) reports the same for kubellm.train; the report tabulates them side by
+side and marks any setting that differs.
 
     python -m bench.train_bench [--repeats 3] [--out docs/benchmarks-train.md] [--check]
     python -m bench.train_bench --quick --out /tmp/train-bench.md     # the smoke test's size
@@ -46,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine_info as base_machine_info
-from kubellm.jobs import parse_metrics
+from kubellm.train.metric_lines import parse_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_HF = 1.0  # kubellm / HF Trainer tokens/s, at least
@@ -172,6 +179,7 @@ class Run:
     flops_per_token: float | None  # peers: the PaLM formula (the engine's MFU formula)
     threads: int | None  # torch threads per process (peers report it)
     wall_s: float  # the whole torchrun command, start-up included
+    settings: dict[str, Any] | None = None  # a peer's `bench_setup` line: what it ran
 
 
 def command(contender: str, setup: Setup, config: Path) -> list[str]:
@@ -297,10 +305,14 @@ def parse_engine(
 def parse_peer(
     contender: str, stamped: list[tuple[float, str]], setup: Setup, repeat: int, wall: float
 ) -> Run:
-    """A peer's `bench_*` result line and its two `bench_step=` marks."""
+    """A peer's `bench_*` result line, its two `bench_step=` marks and its setup line."""
     result: dict[str, float] = {}
     marks: dict[int, float] = {}
+    settings = None
     for t, line in stamped:
+        if line.startswith(SETUP_PREFIX):
+            settings = json.loads(line[len(SETUP_PREFIX) :])
+            continue
         m = parse_metrics(line)
         if "bench_step" in m:
             marks[int(m["bench_step"])] = t
@@ -316,7 +328,36 @@ def parse_peer(
         flops_per_token=result.get("bench_flops_per_token"),
         threads=int(result["bench_threads"]) if "bench_threads" in result else None,
         wall_s=wall,
+        settings=settings,
     )
+
+
+def describe_engine(setup: Setup, config: Path, timeout: float) -> dict[str, Any]:
+    """What kubellm.train builds for this config: a one-step run under the engine probe.
+
+    The optimizer, model and threads come from the probe's `bench_setup` line; precision and
+    batch per process from the engine's own `train: ... precision=... micro_batch=...` line.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={setup.nproc}", "-m", "bench.peers.engine_probe"]
+    cmd += ["--config", str(config)]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=child_env(setup), capture_output=True, text=True, timeout=timeout
+    )
+    lines = proc.stdout.splitlines()
+    found = [json.loads(ln[len(SETUP_PREFIX) :]) for ln in lines if ln.startswith(SETUP_PREFIX)]
+    header = next((ln for ln in lines if "precision=" in ln and "micro_batch=" in ln), "")
+    if proc.returncode != 0 or not found or not header:
+        raise RuntimeError(
+            f"engine probe failed (exit {proc.returncode}): {shlex.join(cmd)}\n--- stdout\n"
+            f"{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+    fields = dict(f.split("=", 1) for f in header.split() if "=" in f)
+    return {
+        **found[0],
+        "batch_per_process": int(fields["micro_batch"]) * int(fields["grad_accum_steps"]),
+        "precision": fields["precision"],
+    }
 
 
 # --- the runs ----------------------------------------------------------------------------
@@ -384,6 +425,55 @@ def mfu_of(run: Run, kubellm_run: Run) -> float | None:
 
 # --- the report --------------------------------------------------------------------------
 
+SETUP_PREFIX = "bench_setup "  # bench.peers.SETUP_PREFIX (not imported: that loads torch)
+
+SETTING_ROWS: tuple[tuple[str, Any], ...] = (
+    ("optimizer", lambda s: f"`{s['optimizer']}`"),
+    (
+        "implementation (fused / foreach)",
+        lambda s: f"{s['implementation']} ({s['fused']} / {s['foreach']})",
+    ),
+    ("peak lr", lambda s: f"{s['lr']:g}"),
+    ("betas", lambda s: "(" + ", ".join(f"{b:g}" for b in s["betas"]) + ")"),
+    ("eps", lambda s: f"{s['eps']:g}"),
+    ("weight decay", lambda s: ", ".join(f"{w:g}" for w in s["weight_decay"])),
+    ("model", lambda s: f"{s['model']}, {s['params']:,} parameters"),
+    ("initial weights (sha256)", lambda s: f"`{s['init_hash']}`"),
+    ("batch per process", lambda s: str(s["batch_per_process"])),
+    ("precision", lambda s: str(s["precision"])),
+    ("torch threads (intra-op / inter-op)", lambda s: f"{s['threads']} / {s['interop_threads']}"),
+)
+
+
+def contender_settings(runs: list[Run], engine: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """name -> what it ran: the engine's from the probe, each peer's from its first run."""
+    out = {"kubellm": engine}
+    for name, rs in by_contender(runs).items():
+        if name != "kubellm":
+            got = [r.settings for r in rs if r.settings]
+            if not got:
+                raise RuntimeError(f"{name} printed no {SETUP_PREFIX.strip()} line")
+            out[name] = got[0]
+    return out
+
+
+def settings_table(settings: dict[str, dict[str, Any]]) -> str:
+    """One row per setting, one column per contender, and whether they all agree."""
+    rows = [
+        "| setting | " + " | ".join(LABELS[n] for n in CONTENDERS) + " | same for all |",
+        "|---|" + "---|" * len(CONTENDERS) + "---|",
+    ]
+    for title, cell in SETTING_ROWS:
+        cells = []
+        for name in CONTENDERS:
+            try:
+                cells.append(cell(settings[name]))
+            except (KeyError, TypeError, ValueError):
+                cells.append("?")
+        same = "yes" if len(set(cells)) == 1 and "?" not in cells else "**no**"
+        rows.append(f"| {title} | " + " | ".join(cells) + f" | {same} |")
+    return "\n".join(rows)
+
 
 def machine_info(setup: Setup) -> dict[str, str]:
     info = base_machine_info(("torch", "transformers", "accelerate", "pyarrow"))
@@ -416,6 +506,7 @@ def report(
     cmd: str,
     dataset: dict[str, Any],
     loads: tuple[str, str],
+    settings: dict[str, dict[str, Any]],
 ) -> tuple[str, str, dict[str, dict[str, Any]]]:
     """(the results table, the whole markdown report, the ratios)."""
     groups = by_contender(runs)
@@ -527,7 +618,7 @@ apart (the machine is shared: load average {loads[0]} at the start, {loads[1]} a
 All three: `python -m torch.distributed.run --standalone --nproc_per_node={setup.nproc}`,
 {dev} (`OMP_NUM_THREADS={setup.threads}` set for all; peers report \
 {", ".join(map(str, threads)) or "?"} thread(s)),
-precision {setup.precision}, the same TrainConfig JSON: Llama from `kubellm.model.build_model`
+precision {setup.precision}, the same TrainConfig JSON: Llama from `kubellm.train.model.new_llama`
 (hidden {setup.hidden}, {setup.layers} layers, {setup.heads} heads, intermediate \
 {setup.intermediate}), seeded with `torch.manual_seed({setup.seed})` before it is built;
 {data_line}; global batch {setup.batch} ({setup.batch // setup.nproc} per process),
@@ -536,18 +627,29 @@ weight decay {setup.weight_decay:g}, grad clip {setup.grad_clip:g}, {setup.warmu
 steps then cosine to 10 % of the peak.
 
 - **kubellm.train**: `python -m kubellm.train --config <json>` (save_model false, no
-  checkpoints, one eval batch at the end, outside the measured steps).
+  checkpoints, one eval batch at the end, outside the measured steps); its AdamW is the
+  engine's choice for DDP, `torch.optim.AdamW(fused=True)`.
 - **HF Trainer** (`bench/peers/hf_trainer.py`): `transformers.Trainer` with
   `TrainingArguments(per_device_train_batch_size={setup.batch // setup.nproc},
-  max_steps={setup.steps}, lr_scheduler_type="cosine_with_min_lr" (min_lr_rate 0.1),
-  max_grad_norm, logging_steps={setup.log_every}, save_strategy="no", report_to="none",
-  dataloader_num_workers=0, use_cpu on CPU, ddp_find_unused_parameters=False)`, otherwise
-  its defaults (optimizer `adamw_torch_fused`); rows from the same Parquet shards as a
-  torch Dataset, labels -100 where loss_mask is 0.
-- **minimal DDP loop** (`bench/peers/ddp_loop.py`): init_process_group, build_model, DDP,
-  AdamW, LambdaLR with the same schedule; per step: the rank's rows of the global batch (a
-  seeded permutation per epoch, the engine's order), forward with labels, backward,
-  clip_grad_norm_, step, zero_grad; nothing else.
+  max_steps={setup.steps}, optim="adamw_torch_fused" (torch.optim.AdamW(fused=True)),
+  adam_beta1/adam_beta2/adam_epsilon/weight_decay as above, lr_scheduler_type=
+  "cosine_with_min_lr" (min_lr_rate 0.1), max_grad_norm, logging_steps={setup.log_every},
+  save_strategy="no", report_to="none", dataloader_num_workers=0, use_cpu on CPU,
+  ddp_find_unused_parameters=False)`, otherwise its defaults (its AdamW has two parameter
+  groups, biases and norm weights without weight decay: the same at weight decay 0); rows
+  from the same Parquet shards as a torch Dataset, labels -100 where loss_mask is 0, in the
+  Trainer's own order.
+- **minimal DDP loop** (`bench/peers/ddp_loop.py`): init_process_group, new_llama, DDP,
+  `torch.optim.AdamW(fused=True)` (the engine's), LambdaLR with the same schedule; per
+  step: the rank's rows of the global batch (a seeded permutation per epoch, the engine's
+  order), forward with labels, backward, clip_grad_norm_, step, zero_grad; nothing else.
+
+What each contender actually built and ran with, as it reports it (kubellm.train: a
+one-step probe run of the engine's CLI before the measured runs, `bench/peers/engine_probe.py`;
+the peers: a `bench_setup` line after their measured steps); "initial weights" is a hash of
+the parameters before the first step:
+
+{settings_table(settings)}
 
 ## Machine
 
@@ -685,13 +787,15 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         info = machine_info(setup)  # before the runs: the engine source they ran (git HEAD)
+        engine = describe_engine(setup, config, args.timeout)
         load_start = _load()
         runs = measure(setup, config, work, args.repeats, args.timeout)
         load_end = _load()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    table, md, rat = report(setup, runs, info, cmd, manifest, (load_start, load_end))
+    settings = contender_settings(runs, engine)
+    table, md, rat = report(setup, runs, info, cmd, manifest, (load_start, load_end), settings)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md)
@@ -701,8 +805,11 @@ def main(argv: list[str] | None = None) -> int:
             "ratios": rat,
             "runs": [dataclasses.asdict(r) for r in runs],
             "config": cfg,
+            "contenders": settings,
         }
         Path(args.json).write_text(json.dumps(figures, indent=2))
+    print()
+    print(settings_table(settings))
     print()
     print(table)
     for r in runs:

@@ -22,13 +22,10 @@ def evaluate(
     A single output on purpose: kfp.local resolves `dsl.If` conditions on a task's
     `Output` but not on NamedTuple fields.
     """
-    from kubellm.evaluate.stage import run_evaluate
-    from kubellm.stage import StageContext
+    from kubellm.stages import evaluate
+    from kubellm.stages.context import StageContext
 
     ctx = StageContext.load(config, parent_run_id, kfp_run_id)
-    result = run_evaluate(ctx, model.path, dataset.path, predictions.path)
-    for name, value in result["metrics"].items():
-        metrics.log_metric(name, value)
-    with open(report.path, "w") as fh:
-        fh.write(f"# Evaluation\n\nGate: **{result['decision']}** ({result['reason']})\n")
-    return str(result["decision"])
+    result = evaluate.run(ctx, model.path, dataset.path, predictions.path)
+    result.write_outputs(metrics=metrics, report=report)
+    return result.decision

@@ -3,6 +3,7 @@
 from typing import NamedTuple
 
 from kfp import dsl
+from kfp.dsl import Markdown, Output
 
 from kubellm import RUNTIME_IMAGE
 
@@ -50,12 +51,15 @@ def preflight(
     workspace_pvc: str,
     job_timeout_minutes: int,
     kfp_run_id: str,
+    report: Output[Markdown],
 ) -> NamedTuple("Outputs", [("config", str), ("parent_run_id", str)]):  # type: ignore[valid-type]
     params = dict(locals())  # first statement: exactly the parameters
-    params.pop("kfp_run_id")
+    for name in ("kfp_run_id", "report"):
+        params.pop(name)
     from collections import namedtuple
 
-    from kubellm.preflight.stage import run_preflight
+    from kubellm.stages import preflight
 
-    cfg, parent = run_preflight(params, kfp_run_id)
-    return namedtuple("Outputs", ["config", "parent_run_id"])(cfg.model_dump_json(), parent)
+    result = preflight.run(params, kfp_run_id)
+    result.write_outputs(report=report)
+    return namedtuple("Outputs", ["config", "parent_run_id"])(result.config, result.parent_run_id)

@@ -1,7 +1,7 @@
 """prepare_data: text to packed, sharded Parquet with a manifest."""
 
 from kfp import dsl
-from kfp.dsl import Dataset, Metrics, Output
+from kfp.dsl import Dataset, Markdown, Metrics, Output
 
 from kubellm import RUNTIME_IMAGE
 
@@ -13,13 +13,12 @@ def prepare_data(
     kfp_run_id: str,
     dataset: Output[Dataset],
     stats: Output[Metrics],
+    report: Output[Markdown],
 ):
-    from kubellm.data.stage import run_prepare
-    from kubellm.stage import StageContext
+    from kubellm.stages import prepare_data
+    from kubellm.stages.context import StageContext
 
-    manifest = run_prepare(StageContext.load(config, parent_run_id, kfp_run_id), dataset.path)
-    dataset.metadata["source_fingerprint"] = manifest["source_fingerprint"]
-    for key in ("read", "kept", "train", "val"):
-        stats.log_metric(f"records_{key}", manifest["records"][key])
-    for split in ("train", "val"):
-        stats.log_metric(f"tokens_{split}", manifest["tokens"][split])
+    ctx = StageContext.load(config, parent_run_id, kfp_run_id)
+    result = prepare_data.run(ctx, dataset.path)
+    dataset.metadata["source_fingerprint"] = result.fingerprint
+    result.write_outputs(metrics=stats, report=report)

@@ -1,7 +1,7 @@
 """smoke_test: real prompts to the served model; promote to champion or roll back."""
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Markdown, Output
+from kfp.dsl import Dataset, Input, Markdown, Metrics, Output
 
 from kubellm import RUNTIME_IMAGE
 
@@ -14,17 +14,14 @@ def smoke_test(
     endpoint: str,
     predictions: Input[Dataset],
     version: str,
+    metrics: Output[Metrics],
     report: Output[Markdown],
 ) -> str:
-    from kubellm.serve.stage import run_smoke_test
-    from kubellm.stage import StageContext
+    """Returns the served answer to the first prompt."""
+    from kubellm.stages import smoke_test
+    from kubellm.stages.context import StageContext
 
     ctx = StageContext.load(config, parent_run_id, kfp_run_id)
-    result = run_smoke_test(ctx, endpoint, predictions.path, version)
-    with open(report.path, "w") as fh:
-        fh.write(
-            f"# Smoke test\n\n`{result['prompt']}` -> `{result['answer']}` "
-            f"(expected `{result['expected']}`); served = evaluated on "
-            f"{result['agreement']:.0%} of prompts\n"
-        )
-    return result["answer"]
+    result = smoke_test.run(ctx, endpoint, predictions.path, version)
+    result.write_outputs(metrics=metrics, report=report)
+    return result.answer

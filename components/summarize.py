@@ -17,15 +17,10 @@ def summarize(
     status: dsl.PipelineTaskFinalStatus,
     report: Output[Markdown],
 ):
-    from kubellm.summary import run_summary
+    params = dict(locals())  # first statement: exactly the parameters
+    for name in ("kfp_run_id", "status", "report"):
+        params.pop(name)
+    from kubellm.stages import summarize
 
-    params = {
-        "platform": platform,
-        "mlflow_tracking_uri": mlflow_tracking_uri,
-        "runs_dir": runs_dir,
-        "experiment_name": experiment_name,
-        "model_name": model_name,
-    }
-    text = run_summary(params, kfp_run_id, status.state, status.error_message or "")
-    with open(report.path, "w") as fh:
-        fh.write(text)
+    result = summarize.run(params, kfp_run_id, status.state, status.error_message or "")
+    result.write_outputs(report=report)

@@ -1,7 +1,7 @@
 """train: torchrun (local) or a PyTorchJob (cluster) running `python -m kubellm.train`."""
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Metrics, Model, Output
+from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
 
 from kubellm import RUNTIME_IMAGE
 
@@ -15,12 +15,12 @@ def train(
     hparams: str,
     model: Output[Model],
     metrics: Output[Metrics],
+    report: Output[Markdown],
 ):
-    from kubellm.stage import StageContext
-    from kubellm.train.stage import run_train
+    from kubellm.stages import train
+    from kubellm.stages.context import StageContext
 
     ctx = StageContext.load(config, parent_run_id, kfp_run_id)
-    for name, value in run_train(ctx, dataset.path, hparams, model.path).items():
-        metrics.log_metric(name, value)
-    model.metadata["framework"] = "transformers"
-    model.metadata["format"] = "safetensors"
+    result = train.run(ctx, dataset.path, hparams, model.path)
+    model.metadata.update(result.model_metadata)
+    result.write_outputs(metrics=metrics, report=report)

@@ -1,7 +1,7 @@
 """tune: optuna (local) or a Katib Experiment (cluster); trials are short training runs."""
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Metrics, Output
+from kfp.dsl import Dataset, Input, Markdown, Metrics, Output
 
 from kubellm import RUNTIME_IMAGE
 
@@ -13,13 +13,12 @@ def tune(
     kfp_run_id: str,
     dataset: Input[Dataset],
     metrics: Output[Metrics],
+    report: Output[Markdown],
 ) -> str:
-    from kubellm.stage import StageContext
-    from kubellm.tune.stage import params_json, run_tune
+    """Returns the best hyperparameters as JSON (the train stage applies them)."""
+    from kubellm.stages import tune
+    from kubellm.stages.context import StageContext
 
-    result = run_tune(StageContext.load(config, parent_run_id, kfp_run_id), dataset.path)
-    if result["objective"] is not None:
-        metrics.log_metric("best_eval_loss", result["objective"])
-    for name, value in result["params"].items():
-        metrics.log_metric(f"best_{name}", value)
-    return params_json(result)
+    result = tune.run(StageContext.load(config, parent_run_id, kfp_run_id), dataset.path)
+    result.write_outputs(metrics=metrics, report=report)
+    return result.hparams_json

@@ -25,13 +25,12 @@ from components.smoke_test import smoke_test
 from components.summarize import summarize
 from components.train import train
 from components.tune import tune
+from kubellm.backends.base import WORKSPACE_MOUNT
 from kubellm.config import PipelineConfig
-from kubellm.evaluate.stage import PROMOTE
+from kubellm.stages.evaluate import PROMOTE
 
 PIPELINE_NAME = "kubellm-llm-train"
 SERVICE_ACCOUNT_NOTE = "Steps run as the kubellm-pipeline ServiceAccount (manifests/base)."
-# Steps that start jobs share the workspace PVC with them (cluster only; kfp.local ignores it).
-WORKSPACE_MOUNT = "/workspace"
 CONFIG_MAP = "kubellm-config"
 MLFLOW_SECRET = "mlflow-credentials"
 
@@ -176,13 +175,13 @@ def llm_train(
                 register(**ctx, model=trained.outputs["model"]), workspace=False
             )
             served = _cluster_wiring(
-                deploy(**ctx, model=trained.outputs["model"], version=version.output)
+                deploy(**ctx, model=trained.outputs["model"], version=version.outputs["Output"])
             )
             smoke = smoke_test(
                 **ctx,
-                endpoint=served.output,
+                endpoint=served.outputs["Output"],
                 predictions=scored.outputs["predictions"],
-                version=version.output,
+                version=version.outputs["Output"],
             )
             _cluster_wiring(smoke, workspace=False)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ def test_run_local_rejects_bad_parameters_before_any_stage(
 
 def test_run_local_missing_pipeline_is_a_clear_error(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # run_local prepends to PATH in-process
     assert main(["run", "--local", "--pipeline", "nope.yaml"]) == 2
     assert "nope.yaml not found" in capsys.readouterr().err
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kubellm.backends import resolve
 from kubellm.config import (
     ConfigError,
     PipelineConfig,
@@ -53,14 +54,14 @@ def test_overrides_parse_as_json_and_keep_strings() -> None:
 
 def test_resolved_local_paths_are_absolute(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    cfg = PipelineConfig(platform="local").resolved()
+    cfg = resolve(PipelineConfig(platform="local"))
     assert cfg.runs_dir == str(tmp_path / "runs")
     assert cfg.mlflow_tracking_uri == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
 
 
 def test_resolved_kubernetes_takes_tracking_uri_from_environment(monkeypatch) -> None:
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
-    assert PipelineConfig().resolved().mlflow_tracking_uri == "http://mlflow.example:5000"
+    assert resolve(PipelineConfig()).mlflow_tracking_uri == "http://mlflow.example:5000"
 
 
 def test_every_field_has_a_description() -> None:
@@ -78,16 +79,14 @@ def test_train_config_nested_error_names_the_path() -> None:
 
 
 def test_training_parameters_reach_the_train_config(tmp_path) -> None:
-    from kubellm.data.stage import prepare_params
-    from kubellm.stage import StageContext
+    from kubellm.stages.configs import prepare_params, train_config
 
     cfg = pipeline_config(
         {"strategy": "fsdp", "precision": "bf16", "base_model": "org/model", "lora_r": 4},
         platform="local",
         runs_dir=str(tmp_path),
     )
-    ctx = StageContext(cfg, tracker=None, parent_run_id="p", kfp_run_id="k")  # type: ignore[arg-type]
-    train = ctx.base_train_config(tmp_path / "d", tmp_path / "o", steps=5)
+    train = train_config(cfg, tmp_path / "d", tmp_path / "o", steps=5)
     assert (train.strategy, train.precision, train.model_name_or_path) == (
         "fsdp",
         "bf16",
@@ -96,5 +95,4 @@ def test_training_parameters_reach_the_train_config(tmp_path) -> None:
     assert train.lora is not None and train.lora.r == 4
     assert prepare_params(cfg).tokenizer == "org/model"  # the base model's tokenizer
     assert prepare_params(cfg.model_copy(update={"tokenizer": "tok"})).tokenizer == "tok"
-    plain = StageContext(pipeline_config(), None, "p", "k")  # type: ignore[arg-type]
-    assert plain.base_train_config(tmp_path, tmp_path).lora is None
+    assert train_config(pipeline_config(), tmp_path, tmp_path).lora is None

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kfp_server_api
 import pytest
 import requests
 import yaml
@@ -250,20 +249,23 @@ def test_fake_checks_run_creates(fake: FakeKfp, case: Case) -> None:
     assert any(case.error in e for e in fake.errors)
 
 
-def test_submit_of_a_pipeline_lacking_a_parameter_is_rejected(tmp_path: Path) -> None:
+def test_submit_of_a_pipeline_lacking_a_parameter_is_rejected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A YAML compiled without a parameter the CLI knows about: the server refuses the run."""
     spec, platform = _compiled()
     del spec["root"]["inputDefinitions"]["parameters"]["train_steps"]
     narrowed = tmp_path / "narrow.yaml"
     narrowed.write_text(yaml.safe_dump_all([spec, platform], sort_keys=False))
     with FakeKfp() as fake:
-        try:
-            rc = main(["submit", str(narrowed), "--endpoint", fake.url, "--set", "train_steps=7"])
-        except kfp_server_api.ApiException as err:  # today the client's error escapes main
-            assert err.status == 400
-            assert "train_steps: not an input parameter" in str(err.body)
-        else:
-            assert rc != 0
+        # the server's 400 is a one-line CLI error with exit code 2, not a traceback
+        rc = main(["submit", str(narrowed), "--endpoint", fake.url, "--set", "train_steps=7"])
+        out, err = capsys.readouterr()
+        assert rc == 2, err
+        assert err.startswith(f"kubellm: error: KFP at {fake.url} refused the run (400): "), err
+        assert "train_steps: not an input parameter" in err
+        assert err.count("\n") == 1, err
+        assert "submitted run" not in out
         assert fake.runs == {}
         assert len(fake.created_runs()) == 1
         assert [e for e in fake.errors if "train_steps: not an input parameter" in e]

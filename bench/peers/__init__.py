@@ -9,22 +9,30 @@ training step: each peer's step is its own, and that is what is measured.
 
 Each peer prints, on rank 0, `bench_step=K` marks (at the end of the warmup skip and of
 the last step; the parent timestamps them as a cross-check) and one result line:
-`bench_tokens_per_sec=... bench_loss=... bench_params=... bench_threads=...`.
+`bench_tokens_per_sec=... bench_loss=... bench_params=... bench_threads=...`, and, after
+the timed steps, one `bench_setup {json}` line (`describe`): the optimizer it actually built
+(class, fused / foreach, lr, betas, eps, weight decay), the model (class, parameters, a hash
+of the initial weights), batch per process, precision and torch threads, so the report
+shows what each contender ran rather than what it was asked to run. `engine_probe` prints
+the same line for kubellm.train itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kubellm.config import TrainConfig
-from kubellm.train.loader import load_split
+from kubellm.data.artifact import load_split
 from kubellm.train.mfu import model_flops_per_token
 
 
@@ -89,7 +97,7 @@ class StepClock:
         return (self.steps - self.skip) * self.tokens_per_step / (self.t_end - self.t_skip)
 
     def report(self, loss: float, model: torch.nn.Module, seq_len: int) -> None:
-        """The result line (rank 0), `name=value` pairs that kubellm.jobs.parse_metrics reads."""
+        """The result line (rank 0): `name=value` pairs, as `parse_metrics` reads them."""
         if self.rank != 0:
             return
         params = sum(p.numel() for p in model.parameters())
@@ -101,3 +109,66 @@ class StepClock:
             flush=True,
         )
         print(f"bench: device {self.device}", flush=True)
+
+
+SETUP_PREFIX = "bench_setup "
+
+
+def weights_hash(params: Iterable[torch.Tensor]) -> str:
+    """sha256 (first 16 hex digits) of the parameters' float32 bytes, in order: same initial
+    weights in two contenders give the same hash."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def optimizer_settings(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What an optimizer was built with (its `defaults`, the per-group weight decays), and
+    which AdamW implementation torch runs for it: `fused` or `foreach` when asked; with
+    neither, torch picks foreach on CUDA and the single-tensor for-loop on CPU."""
+    d = opt.defaults
+    if d.get("fused"):
+        impl = "fused"
+    elif d.get("foreach"):
+        impl = "foreach"
+    elif d.get("foreach") is None:
+        on_cuda = all(p.is_cuda for g in opt.param_groups for p in g["params"])
+        impl = "foreach (default on CUDA)" if on_cuda else "for-loop (default on CPU)"
+    else:
+        impl = "for-loop"
+    return {
+        "optimizer": f"{type(opt).__module__}.{type(opt).__qualname__}",
+        "implementation": impl,
+        "fused": d.get("fused"),
+        "foreach": d.get("foreach"),
+        "lr": d.get("lr"),
+        "betas": list(d["betas"]) if "betas" in d else None,
+        "eps": d.get("eps"),
+        "weight_decay": sorted({float(g.get("weight_decay", 0.0)) for g in opt.param_groups}),
+        "amsgrad": d.get("amsgrad"),
+        "param_groups": len(opt.param_groups),
+    }
+
+
+def describe(
+    opt: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    init_hash: str,
+    batch_per_process: int,
+    precision: str,
+) -> None:
+    """Rank 0's `bench_setup {json}` line: what this contender actually ran."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    setup = {
+        **optimizer_settings(opt),
+        "model": type(model).__name__,
+        "params": sum(p.numel() for p in model.parameters()),
+        "init_hash": init_hash,
+        "batch_per_process": batch_per_process,
+        "precision": precision,
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+    }
+    print(SETUP_PREFIX + json.dumps(setup), flush=True)

@@ -2,11 +2,15 @@
 
 Nothing but the work every step has to do: the rank's rows of the global batch, forward
 with labels, backward (DDP all-reduces the gradients), clip_grad_norm_, AdamW step, LR
-schedule step, zero_grad. Same model (kubellm.model.build_model after
+schedule step, zero_grad. Same model (kubellm.train.model.new_llama right after
 torch.manual_seed(seed), so the same initial weights as the engine), the same rows in the
 same order (a seeded permutation per epoch, the engine's documented order), the same
-AdamW, warmup + cosine schedule and clip, and bf16 autocast when the config says
-precision=bf16 (the bench's choice on GPUs). No logging inside the timed steps.
+warmup + cosine schedule and clip, bf16 autocast when the config says precision=bf16 (the
+bench's choice on GPUs), and the engine's AdamW for DDP: torch.optim.AdamW(lr,
+betas=(0.9, adam_beta2), weight_decay, eps at torch's default 1e-8, fused=True), one fused
+kernel per step on CPU and GPU alike (torch's default on CPU would be the slower
+single-tensor for-loop: a floor the engine would beat for the wrong reason). No logging
+inside the timed steps.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 \\
         -m bench.peers.ddp_loop --config cfg.json --skip 40
@@ -20,11 +24,19 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from bench.peers import StepClock, load_rows, parse_args, pick_device, read_config
+from bench.peers import (
+    StepClock,
+    describe,
+    load_rows,
+    parse_args,
+    pick_device,
+    read_config,
+    weights_hash,
+)
 from kubellm.config import ModelConfig
 from kubellm.data.tokenizer import load_tokenizer
-from kubellm.model import build_model
 from kubellm.train.loop import lr_factor
+from kubellm.train.model import new_llama
 
 
 def main() -> int:
@@ -36,18 +48,21 @@ def main() -> int:
     steps, batch, seed = cfg["steps"], cfg["batch_size"], cfg["seed"]
     bf16 = cfg["precision"] == "bf16"  # the bench sets fp32 or bf16 explicitly
 
-    torch.manual_seed(seed)
     tokenizer = load_tokenizer(Path(cfg["dataset_dir"]) / "tokenizer")
     data = load_rows(cfg["dataset_dir"])
-    model = build_model(ModelConfig(**cfg["model"]), tokenizer).to(device)
+    torch.manual_seed(seed)  # right before the model, as the engine does
+    model = new_llama(ModelConfig(**cfg["model"]), tokenizer)
+    init_hash = weights_hash(model.parameters())
+    model.to(device)
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.index is not None else None
     )
-    opt = torch.optim.AdamW(
+    opt = torch.optim.AdamW(  # the engine's, for DDP: fused (one kernel per step)
         model.parameters(),
         lr=cfg["learning_rate"],
         weight_decay=cfg["weight_decay"],
         betas=(0.9, cfg["adam_beta2"]),
+        fused=True,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, cfg["warmup_steps"], steps)
@@ -82,6 +97,7 @@ def main() -> int:
     work = dist.all_reduce(final, op=dist.ReduceOp.AVG, async_op=True)
     work.wait()
     clock.report(float(final), model, data.shape[2])
+    describe(opt, model, init_hash, per_rank, "bf16" if bf16 else "fp32")
     del ddp
     dist.destroy_process_group()
     del work

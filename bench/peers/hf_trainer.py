@@ -1,14 +1,18 @@
 """The Hugging Face Trainer peer: transformers.Trainer on the same model, data and schedule.
 
-The model is kubellm.model.build_model after torch.manual_seed(seed) (the engine's initial
+The model is kubellm.train.model.new_llama after torch.manual_seed(seed) (the engine's initial
 weights); the rows are the same Parquet shards (labels -100 where loss_mask is 0), in the
 Trainer's own order (its distributed sampler, seeded). TrainingArguments match the
 engine's settings: per-device batch = global / world size, max_steps, AdamW peak LR and
 betas, weight decay, max_grad_norm, linear warmup then cosine to 10 % of the peak
 (`cosine_with_min_lr`, min_lr_rate 0.1), bf16 only when the config says precision=bf16,
 no eval, no saving, no reporting, no tqdm,
-no DataLoader workers. Everything else is the Trainer's default (its optimizer is
-`adamw_torch_fused` on torch >= 2.8), except ddp_find_unused_parameters=False: the
+no DataLoader workers, and the engine's AdamW: `optim="adamw_torch_fused"`, which is
+torch.optim.AdamW(fused=True) with the same lr, betas, eps (1e-8) and weight decay (the
+Trainer's default on torch >= 2.8, set here so that it cannot drift; the Trainer exempts
+biases and norm weights from weight decay, which makes no difference at the bench's
+weight_decay=0). Everything else is the Trainer's default, except
+ddp_find_unused_parameters=False: the
 default (True, for a model without gradient checkpointing) walks the autograd graph every
 step for nothing here, and a tuned HF setup turns it off; the peer should be HF at its
 reasonable best, not a strawman.
@@ -30,10 +34,18 @@ from typing import Any
 
 import torch
 
-from bench.peers import StepClock, load_rows, parse_args, pick_device, read_config
+from bench.peers import (
+    StepClock,
+    describe,
+    load_rows,
+    parse_args,
+    pick_device,
+    read_config,
+    weights_hash,
+)
 from kubellm.config import ModelConfig
 from kubellm.data.tokenizer import load_tokenizer
-from kubellm.model import build_model
+from kubellm.train.model import new_llama
 
 
 class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
@@ -81,6 +93,7 @@ def main() -> int:
         adam_beta1=0.9,
         adam_beta2=cfg["adam_beta2"],
         adam_epsilon=1e-8,
+        optim="adamw_torch_fused",
         max_grad_norm=cfg["grad_clip"],
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1},
@@ -100,10 +113,11 @@ def main() -> int:
         seed=cfg["seed"],
         log_level="warning",
     )
-    torch.manual_seed(cfg["seed"])
     tokenizer = load_tokenizer(Path(cfg["dataset_dir"]) / "tokenizer")
     data = load_rows(cfg["dataset_dir"])
-    model = build_model(ModelConfig(**cfg["model"]), tokenizer)
+    torch.manual_seed(cfg["seed"])  # right before the model, as the engine does
+    model = new_llama(ModelConfig(**cfg["model"]), tokenizer)
+    init_hash = weights_hash(model.parameters())
     clock = StepClock(args.skip, steps, cfg["batch_size"] * data.shape[2], device)
     callback = Clock(clock)
     trainer = Trainer(
@@ -111,6 +125,10 @@ def main() -> int:
     )
     trainer.train()
     clock.report(callback.loss, model, data.shape[2])
+    opt = trainer.optimizer
+    opt = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps torch's
+    precision = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+    describe(opt, model, init_hash, training_args.per_device_train_batch_size, precision)
     return 0
 
 

@@ -17,11 +17,10 @@ import importlib.util
 import json
 import os
 import sys
-import time
-import warnings
 from pathlib import Path
 from typing import Any
 
+from kubellm.backends.base import JobFailed
 from kubellm.config import (
     ConfigError,
     PipelineConfig,
@@ -128,70 +127,12 @@ def compile_pipelines(folder: str | Path, out_dir: str | Path | None = None) -> 
     return written
 
 
-# -- run --local -------------------------------------------------------------------------
-
-
-def run_local(pipeline_yaml: str | Path, overrides: dict[str, Any]) -> int:
-    """Run the compiled YAML (not the Python DSL) with kfp.local; returns an exit code."""
-    if overrides.get("platform", "local") != "local":
-        raise ConfigError(
-            f"invalid platform={overrides['platform']!r}: `run --local` runs platform 'local'; "
-            "use `kubellm submit` for a cluster"
-        )
-    cfg = pipeline_config(overrides, platform="local")  # every value checked before any stage
-    from kfp import local
-    from kfp.components import load_component_from_file
-
-    path = Path(pipeline_yaml)
-    if not path.is_file():
-        raise ConfigError(f"pipeline {pipeline_yaml} not found (run `kubellm compile`)")
-    runs = Path(cfg.runs_dir).resolve()
-    root = runs / "kfp"
-    root.mkdir(parents=True, exist_ok=True)
-    # component subprocesses run `python3 ...`: make it this environment's python
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    warnings.filterwarnings("ignore", message=".*non-Python base image.*")
-    pipeline = load_component_from_file(str(path))
-    local.init(
-        runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(root), raise_on_error=False
-    )
-    before = set(root.iterdir())
-    started = time.monotonic()
-    # typed as the pipeline declares them (an int given for a float parameter is a float)
-    arguments = {k: getattr(cfg, k) for k in overrides}
-    arguments.update(platform="local", runs_dir=str(runs))
-    print(f"kubellm: running {path} locally (outputs under {root})", flush=True)
-    task = pipeline(**arguments)
-    elapsed = time.monotonic() - started
-    new_runs = sorted(set(root.iterdir()) - before)
-    summary = _find_summary(new_runs)
-    ok = _pipeline_succeeded(task, summary)
-    print("\n" + "=" * 78)
-    print(summary.read_text() if summary else "No summary was written (see the log above).")
-    print(f"kubellm: pipeline {'succeeded' if ok else 'FAILED'} in {elapsed:.0f}s")
-    return 0 if ok else 1
-
-
-def _find_summary(run_dirs: list[Path]) -> Path | None:
-    for run_dir in reversed(run_dirs):
-        for report in run_dir.glob("summarize*/report"):
-            return report
-    return None
-
-
-def _pipeline_succeeded(task: Any, summary: Path | None) -> bool:
-    if summary is None:
-        return False
-    first = summary.read_text().splitlines()[0] if summary.read_text() else ""
-    return first.endswith(": SUCCEEDED")
-
-
 # -- stages by hand ----------------------------------------------------------------------
 
 
 def _prepare(out_dir: str, overrides: dict[str, Any]) -> int:
     from kubellm.data.prepare import prepare
-    from kubellm.data.stage import prepare_params
+    from kubellm.stages.configs import prepare_params
 
     manifest = prepare(prepare_params(pipeline_config(overrides, platform="local")), out_dir)
     print(json.dumps(manifest["records"], indent=2))
@@ -199,8 +140,8 @@ def _prepare(out_dir: str, overrides: dict[str, Any]) -> int:
 
 
 def _train(dataset: str, output: str, nproc: int, overrides: list[str]) -> int:
-    from kubellm.jobs import TrainJob
-    from kubellm.train.torchrun import TorchrunTrainer
+    from kubellm.backends.base import TrainJob
+    from kubellm.backends.local.torchrun import TorchrunTrainer
 
     values = {"dataset_dir": dataset, "output_dir": output}
     values.update(parse_overrides(overrides, TrainConfig))
@@ -209,8 +150,10 @@ def _train(dataset: str, output: str, nproc: int, overrides: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg_path = out.parent / f"{out.name}.train.json"
     cfg_path.write_text(train_cfg.model_dump_json(indent=2))
+    log_path = out.parent / f"{out.name}.train.log"
     job = TrainJob(name="train", train_args=["--config", str(cfg_path)], nproc_per_node=nproc)
-    result = TorchrunTrainer().run(job)
+    print(f"kubellm: training under torchrun; full log: {log_path}", flush=True)
+    result = TorchrunTrainer(log_path=log_path).run(job)
     print(json.dumps(result.metrics, indent=2))
     return 0
 
@@ -230,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"compiled {out}")
             return 0
         if args.command == "run":
+            from kubellm.local_run import run_local
+
             return run_local(args.pipeline, parse_overrides(args.overrides, PipelineConfig))
         if args.command == "submit":
             from kubellm.submit import submit
@@ -249,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as err:
         print(f"kubellm: error: {err}", file=sys.stderr)
         return 2
+    except JobFailed as err:  # the job's own output is in its log file
+        print(f"kubellm: error: {err}", file=sys.stderr)
+        return 1
     return 2
 
 

@@ -3,19 +3,50 @@
 Why one module: the pipeline's parameters, the `kubellm --set` overrides and the trainer's
 flags all map onto these models, so a bad value is caught once, before anything expensive
 starts, with one message that names the field and what it accepts.
+
+Each constraint is declared once, as an annotated type below, and used by every model that
+has such a field (PipelineConfig and TrainConfig share seed, batch size, learning rate,
+strategy, precision, model shape; the data options share their Literals with
+kubellm.data's readers). The PipelineConfig -> stage config mappings live in
+kubellm.stages.configs.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import typing
-from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+# -- shared field types ----------------------------------------------------------------------
+
 Platform = Literal["local", "kubernetes"]
+Strategy = Literal["ddp", "fsdp"]
+Precision = Literal["auto", "fp32", "bf16"]
+DataFormat = Literal["auto", "jsonl", "parquet", "text", "hf"]
+Template = Literal["none", "prompt_response", "messages"]
+Packing = Literal["concat", "best_fit"]
+OnError = Literal["skip", "fail"]
+TextMode = Literal["file", "line"]
+
+Seed = Annotated[int, Field(ge=0)]
+Steps = Annotated[int, Field(ge=1)]
+BatchSize = Annotated[int, Field(ge=1)]
+LearningRate = Annotated[float, Field(gt=0, lt=1)]
+HiddenSize = Annotated[int, Field(ge=8)]
+NumLayers = Annotated[int, Field(ge=1, le=64)]
+NumHeads = Annotated[int, Field(ge=1)]
+MAX_LORA_RANK = 1024
+LoraRank = Annotated[int, Field(ge=1, le=MAX_LORA_RANK)]
+LoraRankOrOff = Annotated[int, Field(ge=0, le=MAX_LORA_RANK)]  # 0: no adapters
+
+STRATEGY_HELP = (
+    "ddp: replicated model; fsdp: FSDP2 fully_shard (parameters, gradients and optimizer "
+    "state sharded)."
+)
+PRECISION_HELP = "auto: bf16 mixed precision on GPUs that support it, fp32 on CPU."
+REMOTE_CODE_HELP = "Allow a tokenizer's or model's own Python code (off unless asked)."
 
 
 class ConfigError(ValueError):
@@ -26,28 +57,30 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _heads_divide(hidden_size: int, num_heads: int) -> None:
+    if hidden_size % num_heads:
+        raise ValueError(f"num_heads ({num_heads}) must divide hidden_size ({hidden_size})")
+
+
 class ModelConfig(_Strict):
     """Shape of the from-config Llama-style causal LM (the local default)."""
 
-    hidden_size: int = Field(128, ge=8, description="Width of the residual stream.")
-    num_layers: int = Field(2, ge=1, le=64, description="Number of decoder layers.")
-    num_heads: int = Field(4, ge=1, description="Attention heads; must divide hidden_size.")
+    hidden_size: HiddenSize = Field(128, description="Width of the residual stream.")
+    num_layers: NumLayers = Field(2, description="Number of decoder layers.")
+    num_heads: NumHeads = Field(4, description="Attention heads; must divide hidden_size.")
     intermediate_size: int = Field(256, ge=8, description="Width of the MLP.")
     max_position_embeddings: int = Field(128, ge=8, description="Longest sequence the model takes.")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})"
-            )
+        _heads_divide(self.hidden_size, self.num_heads)
         return self
 
 
 class LoraSettings(_Strict):
     """LoRA through PEFT: only the adapters train; they are merged into the exported model."""
 
-    r: int = Field(8, ge=1, le=1024, description="Adapter rank.")
+    r: LoraRank = Field(8, description="Adapter rank.")
     alpha: int = Field(16, ge=1, description="Scaling numerator (alpha / r).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
     target_modules: list[str] = Field(
@@ -64,19 +97,19 @@ class TrainConfig(_Strict):
         ..., description="Dataset artifact directory (train/, val/, tokenizer/)."
     )
     output_dir: str = Field(..., description="Where the Hugging Face model directory is written.")
-    steps: int = Field(300, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(32, ge=1, description="Global batch (sequences per step, all ranks).")
-    learning_rate: float = Field(3e-3, gt=0, lt=1, description="Peak AdamW learning rate.")
+    steps: Steps = Field(300, description="Optimizer steps.")
+    batch_size: BatchSize = Field(32, description="Global batch (sequences per step, all ranks).")
+    learning_rate: LearningRate = Field(3e-3, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warmup steps before cosine decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
-    seed: int = Field(0, description="Seed for model init and data order.")
+    seed: Seed = Field(0, description="Seed for model init and data order.")
     log_every: int = Field(20, ge=1, description="Print name=value metric lines every N steps.")
     eval_batches: int = Field(8, ge=1, description="Validation batches at the end of training.")
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2.")
     save_model: bool = Field(True, description="Export the model (tuning trials skip it).")
     model: ModelConfig = Field(
-        default_factory=lambda: ModelConfig(),  # type: ignore[call-arg]
+        default_factory=ModelConfig,
         description="Shape of the from-config model (used when model_name_or_path is empty).",
     )
     model_name_or_path: str = Field(
@@ -84,20 +117,12 @@ class TrainConfig(_Strict):
         description="A Hugging Face causal LM directory or hub name to start from; "
         "empty: a new model shaped by `model`.",
     )
-    trust_remote_code: bool = Field(
-        False, description="Allow the model's own Python code (off unless asked)."
-    )
+    trust_remote_code: bool = Field(False, description=REMOTE_CODE_HELP)
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto picks nccl on GPUs, gloo on CPU."
     )
-    strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp",
-        description="ddp: replicated model; fsdp: FSDP2 fully_shard (parameters, gradients and "
-        "optimizer state sharded).",
-    )
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto: bf16 mixed precision on GPUs that support it, fp32 on CPU."
-    )
+    strategy: Strategy = Field("ddp", description=STRATEGY_HELP)
+    precision: Precision = Field("auto", description=PRECISION_HELP)
     grad_accum_steps: int = Field(
         1, ge=1, description="Micro-batches per optimizer step (batch_size is per step)."
     )
@@ -131,6 +156,12 @@ class TrainConfig(_Strict):
             )
         return self.batch_size // parts
 
+    def with_values(self, values: dict[str, Any]) -> TrainConfig:
+        """This config with `values` applied, validated as a whole (ConfigError naming the
+        field): the one way trials' `--set` hyperparameters and the train stage's tuned
+        ones reach a TrainConfig."""
+        return validate(TrainConfig, {**self.model_dump(), **values})
+
 
 class PipelineConfig(_Strict):
     """The pipeline's parameters. `pipelines/llm_train.py` declares exactly these, same defaults."""
@@ -138,29 +169,27 @@ class PipelineConfig(_Strict):
     platform: Platform = Field(
         "kubernetes", description="Where jobs run: 'kubernetes' (cluster) or 'local' (one machine)."
     )
-    seed: int = Field(0, ge=0, description="Seed for data generation, splits, init and tuning.")
+    seed: Seed = Field(0, description="Seed for data generation, splits, init and tuning.")
     data_source: str = Field(
         "synthetic",
         description="'synthetic' (built-in arithmetic Q/A) or a path/glob of JSONL files.",
     )
-    data_format: Literal["auto", "jsonl", "parquet", "text", "hf"] = Field(
+    data_format: DataFormat = Field(
         "auto", description="Source format; auto goes by file extension (.jsonl[.gz|.zst], ...)."
     )
     text_field: str = Field("text", min_length=1, description="Field holding the text.")
-    template: Literal["none", "prompt_response", "messages"] = Field(
+    template: Template = Field(
         "none", description="Render prompt/response or chat messages fields into training text."
     )
     tokenizer: str = Field(
         "", description="Tokenizer directory or hub name; empty trains a byte-level BPE."
     )
-    trust_remote_code: bool = Field(
-        False, description="Allow a tokenizer's or model's own Python code (off unless asked)."
-    )
-    packing: Literal["concat", "best_fit"] = Field(
+    trust_remote_code: bool = Field(False, description=REMOTE_CODE_HELP)
+    packing: Packing = Field(
         "concat", description="concat: EOS-joined and chunked; best_fit: whole documents, padded."
     )
     near_dedup: bool = Field(False, description="Drop near-duplicates (MinHash LSH) too.")
-    on_error: Literal["skip", "fail"] = Field(
+    on_error: OnError = Field(
         "skip", description="Bad input records: skip (count by reason) or fail the stage."
     )
     mask_prompt: bool = Field(
@@ -170,28 +199,24 @@ class PipelineConfig(_Strict):
     val_fraction: float = Field(0.1, gt=0, lt=0.5, description="Share of records held out.")
     vocab_size: int = Field(512, ge=64, le=262_144, description="BPE vocabulary size.")
     seq_len: int = Field(32, ge=8, le=8192, description="Packed sequence length in tokens.")
-    hidden_size: int = Field(128, ge=8, description="Model width.")
-    num_layers: int = Field(3, ge=1, le=64, description="Decoder layers.")
-    num_heads: int = Field(4, ge=1, description="Attention heads (divide hidden_size).")
+    hidden_size: HiddenSize = Field(128, description="Model width.")
+    num_layers: NumLayers = Field(3, description="Decoder layers.")
+    num_heads: NumHeads = Field(4, description="Attention heads (divide hidden_size).")
     tune_trials: int = Field(3, ge=0, le=200, description="Hyperparameter trials; 0 skips tuning.")
-    tune_steps: int = Field(100, ge=1, description="Optimizer steps per trial.")
-    train_steps: int = Field(1500, ge=1, description="Optimizer steps of the final training run.")
-    batch_size: int = Field(64, ge=1, description="Global batch size (divisible by processes).")
-    learning_rate: float = Field(3e-3, gt=0, lt=1, description="Learning rate when not tuned.")
-    strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="Data parallelism: ddp (replicated) or fsdp (FSDP2, sharded)."
-    )
-    precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="auto: bf16 mixed precision on GPUs that support it, fp32 on CPU."
-    )
+    tune_steps: Steps = Field(100, description="Optimizer steps per trial.")
+    train_steps: Steps = Field(1500, description="Optimizer steps of the final training run.")
+    batch_size: BatchSize = Field(64, description="Global batch size (divisible by processes).")
+    learning_rate: LearningRate = Field(3e-3, description="Learning rate when not tuned.")
+    strategy: Strategy = Field("ddp", description=STRATEGY_HELP)
+    precision: Precision = Field("auto", description=PRECISION_HELP)
     base_model: str = Field(
         "",
         description="Hugging Face causal LM (directory or hub name) to fine-tune; empty: a new "
         "model from hidden_size/num_layers/num_heads. Its tokenizer is used unless tokenizer "
         "is set.",
     )
-    lora_r: int = Field(
-        0, ge=0, le=1024, description="LoRA rank (PEFT) for the training jobs; 0: full training."
+    lora_r: LoraRankOrOff = Field(
+        0, description="LoRA rank (PEFT) for the training jobs; 0: full training."
     )
     nproc_per_node: int = Field(2, ge=1, le=64, description="Training processes per node.")
     num_nodes: int = Field(1, ge=1, le=1024, description="Training nodes (PyTorchJob workers).")
@@ -233,33 +258,8 @@ class PipelineConfig(_Strict):
                 f"batch_size ({self.batch_size}) must be divisible by nproc_per_node x num_nodes "
                 f"({procs})"
             )
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})"
-            )
+        _heads_divide(self.hidden_size, self.num_heads)
         return self
-
-    # -- derived values -------------------------------------------------------------------
-
-    def model_shape(self) -> ModelConfig:
-        return ModelConfig(
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-            intermediate_size=self.hidden_size * 2,
-            max_position_embeddings=max(128, self.seq_len),
-        )
-
-    def resolved(self) -> PipelineConfig:
-        """Fill the values that depend on where we run (absolute paths, tracking URI)."""
-        runs = Path(self.runs_dir).expanduser()
-        uri = self.mlflow_tracking_uri
-        if self.platform == "local":
-            runs = runs.resolve()
-            uri = uri or f"sqlite:///{runs / 'mlflow.db'}"
-        else:
-            uri = uri or os.environ.get("MLFLOW_TRACKING_URI", "http://mlflow.kubellm:5000")
-        return self.model_copy(update={"runs_dir": str(runs), "mlflow_tracking_uri": uri})
 
 
 _M = typing.TypeVar("_M", bound=BaseModel)

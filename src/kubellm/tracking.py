@@ -11,14 +11,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-
-from kubellm.config import PipelineConfig
 
 TAG_KFP_RUN = "kubellm.kfp_run_id"
 TAG_STAGE = "kubellm.stage"
@@ -35,19 +32,25 @@ class Tracker:
     kfp_run_id: str
 
     @classmethod
-    def open(cls, cfg: PipelineConfig, kfp_run_id: str) -> Tracker:
-        client = MlflowClient(tracking_uri=cfg.mlflow_tracking_uri)
-        exp = client.get_experiment_by_name(cfg.experiment_name)
+    def open(
+        cls,
+        tracking_uri: str,
+        experiment_name: str,
+        kfp_run_id: str,
+        artifact_location: str | None = None,
+    ) -> Tracker:
+        """The experiment's store; `artifact_location` is used only when creating it."""
+        client = MlflowClient(tracking_uri=tracking_uri)
+        exp = client.get_experiment_by_name(experiment_name)
         if exp is not None:
             exp_id = exp.experiment_id
         else:
-            location = None
-            if cfg.platform == "local":
-                location = (Path(cfg.runs_dir) / "mlartifacts").resolve().as_uri()
             try:
-                exp_id = client.create_experiment(cfg.experiment_name, artifact_location=location)
+                exp_id = client.create_experiment(
+                    experiment_name, artifact_location=artifact_location
+                )
             except MlflowException:  # created meanwhile by a parallel step
-                found = client.get_experiment_by_name(cfg.experiment_name)
+                found = client.get_experiment_by_name(experiment_name)
                 assert found is not None
                 exp_id = found.experiment_id
         return cls(client, exp_id, kfp_run_id)

@@ -31,8 +31,8 @@ from components.smoke_test import smoke_test
 from components.summarize import summarize
 from components.train import train
 from components.tune import tune
+from kubellm.backends.local.model_server import LocalModelServer
 from kubellm.config import PipelineConfig
-from kubellm.serve.local import LocalModelServer
 
 pytestmark = pytest.mark.slow
 RUN = "component-test"
@@ -84,13 +84,21 @@ _COUNTER = itertools.count()
 @pytest.fixture(scope="module")
 def params(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     runs = tmp_path_factory.mktemp("runs")
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    local.init(
-        runner=local.SubprocessRunner(use_venv=False),
-        pipeline_root=str(runs / "kfp"),
-        raise_on_error=True,
-    )
-    values = PipelineConfig(
+    with pytest.MonkeyPatch.context() as mp:  # PATH and kfp.local's config are restored after
+        # component subprocesses run `python3 ...`: make it this environment's python
+        mp.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        mp.setattr(local.config.LocalExecutionConfig, "instance", None)
+        local.init(
+            runner=local.SubprocessRunner(use_venv=False),
+            pipeline_root=str(runs / "kfp"),
+            raise_on_error=True,
+        )
+        yield _values(runs)
+        LocalModelServer(runs / "servers").release(RUN)  # even when a test failed midway
+
+
+def _values(runs: Path) -> dict[str, Any]:
+    return PipelineConfig(
         platform="local",
         runs_dir=str(runs),
         num_records=2000,
@@ -103,11 +111,10 @@ def params(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         tune_steps=8,
         train_steps=40,
         batch_size=8,
-        gate_min_accuracy=0.0,
+        # the default gate (0.2): this 40-step model reaches exact match 0.0 (measured), so
+        # evaluate rejects it; register, deploy and smoke_test still run here, one by one
         model_name="tiny-test",
     ).model_dump()
-    yield values
-    LocalModelServer(runs / "servers").release(RUN)  # even when a test failed midway
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +148,12 @@ def tuned(ctx: dict[str, str], data: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def trained(ctx: dict[str, str], data: Any, tuned: Any) -> Any:
-    return run(train, {"dataset": (data.outputs["dataset"], Dataset)}, **ctx, hparams=tuned.output)
+    return run(
+        train,
+        {"dataset": (data.outputs["dataset"], Dataset)},
+        **ctx,
+        hparams=tuned.outputs["Output"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +172,12 @@ def version(ctx: dict[str, str], trained: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def served(ctx: dict[str, str], trained: Any, version: Any) -> Any:
-    return run(deploy, {"model": (trained.outputs["model"], Model)}, **ctx, version=version.output)
+    return run(
+        deploy,
+        {"model": (trained.outputs["model"], Model)},
+        **ctx,
+        version=version.outputs["Output"],
+    )
 
 
 def test_preflight_validates_and_opens_the_lineage(pre: Any, mlflow: MlflowClient) -> None:
@@ -172,9 +189,15 @@ def test_preflight_validates_and_opens_the_lineage(pre: Any, mlflow: MlflowClien
     assert parent.data.params["train_steps"] == "40"
 
 
-def test_preflight_rejects_a_bad_parameter(params: dict[str, Any]) -> None:
-    with pytest.raises(RuntimeError):
+def test_preflight_rejects_a_bad_parameter(
+    params: dict[str, Any], capfd: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(RuntimeError, match=r"Task .*preflight.* finished with status .*FAILURE"):
         preflight(**{**params, "batch_size": 7}, kfp_run_id=RUN)
+    out, err = capfd.readouterr()
+    # the component's own reason, not some other failure of the task
+    text = out + err
+    assert "batch_size" in text and "must be divisible" in text, text[-3000:]
 
 
 def test_prepare_data_writes_the_dataset_contract(data: Any) -> None:
@@ -187,7 +210,7 @@ def test_prepare_data_writes_the_dataset_contract(data: Any) -> None:
 
 
 def test_tune_returns_the_best_trial_params(tuned: Any, mlflow: MlflowClient, ctx: dict) -> None:
-    best = json.loads(tuned.output)
+    best = json.loads(tuned.outputs["Output"])
     assert set(best) == {"learning_rate", "warmup_steps"}
     assert 1e-3 <= best["learning_rate"] <= 4e-3
     trials = mlflow.search_runs(
@@ -204,24 +227,31 @@ def test_train_outputs_a_hugging_face_model(trained: Any) -> None:
     assert trained.outputs["metrics"].metadata["train_loss"] > 0
 
 
-def test_evaluate_scores_and_decides(scored: Any) -> None:
-    assert scored.output == "promote"  # gate_min_accuracy=0 here
+def test_evaluate_scores_and_decides(scored: Any, params: dict[str, Any]) -> None:
     metrics = scored.outputs["metrics"].metadata
     assert 0.0 <= metrics["exact_match"] <= 1.0 and metrics["perplexity"] > 1
+    # The default gate is above what this 40-step model reaches (0.0 measured): a reject.
+    gate = PipelineConfig.model_fields["gate_min_accuracy"].default
+    assert params["gate_min_accuracy"] == gate == 0.2
+    assert metrics["exact_match"] < gate, "the tiny test model now passes the default gate"
+    assert scored.outputs["Output"] == "reject"
+    report = Path(scored.outputs["report"].path).read_text()
+    reason = f"exact_match {metrics['exact_match']:.3f} < gate_min_accuracy {gate:.3f}"
+    assert "reject" in report and reason in report, report
     predictions = json.loads(Path(scored.outputs["predictions"].path).read_text())
     assert predictions and {"prompt", "completion", "prediction"} <= set(predictions[0])
 
 
 def test_register_creates_a_challenger_with_lineage(version: Any, mlflow: MlflowClient) -> None:
     mv = mlflow.get_model_version_by_alias("tiny-test", "challenger")
-    assert str(mv.version) == version.output
+    assert str(mv.version) == version.outputs["Output"]
     assert mv.tags["kubellm.kfp_run_id"] == RUN
     assert len(mv.tags["kubellm.data_fingerprint"]) == 64
 
 
 def test_deploy_serves_on_loopback(served: Any) -> None:
-    assert served.output.startswith("http://127.0.0.1:")
-    r = requests.get(f"{served.output}/v1/models/tiny-test", timeout=10)
+    assert served.outputs["Output"].startswith("http://127.0.0.1:")
+    r = requests.get(f"{served.outputs['Output']}/v1/models/tiny-test", timeout=10)
     assert r.json()["ready"] is True
 
 
@@ -232,12 +262,18 @@ def test_smoke_test_promotes_to_champion(
         smoke_test,
         {"predictions": (scored.outputs["predictions"], Dataset)},
         **ctx,
-        endpoint=served.output,
-        version=version.output,
+        endpoint=served.outputs["Output"],
+        version=version.outputs["Output"],
     )
-    assert isinstance(task.output, str)
-    assert str(mlflow.get_model_version_by_alias("tiny-test", "champion").version) == version.output
-    assert "->" in Path(task.outputs["report"].path).read_text()
+    # it asked the served model the first evaluated prompt and returns the served answer
+    first = json.loads(Path(scored.outputs["predictions"].path).read_text())[0]
+    report = Path(task.outputs["report"].path).read_text()
+    assert f"`{first['prompt']}` -> `{task.outputs['Output']}`" in report, report
+    assert f"(expected `{first['completion']}`)" in report, report
+    assert (
+        str(mlflow.get_model_version_by_alias("tiny-test", "champion").version)
+        == version.outputs["Output"]
+    )
 
 
 @dsl.component(base_image="python:3.11", install_kfp_package=False)
@@ -268,5 +304,5 @@ def test_summarize_stops_the_server_and_closes_the_run(
     assert text.startswith(f"# kubellm run {RUN}: SUCCEEDED")
     assert "held-out exact match" in text and "| tiny-test / 1 |" in text
     with pytest.raises(requests.ConnectionError):
-        requests.get(served.output, timeout=5)
+        requests.get(served.outputs["Output"], timeout=5)
     assert mlflow.get_run(pre.outputs["parent_run_id"]).info.status == "FINISHED"

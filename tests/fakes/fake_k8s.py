@@ -5,8 +5,8 @@ It serves the slice of the REST API the kubernetes Python client uses for custom
 (`/apis/{group}/{version}/namespaces/{ns}/{plural}[/{name}]`: POST, GET, LIST with
 labelSelector, PUT, merge PATCH, DELETE) and for pods (list with labelSelector, log).
 No controller runs: the test scripts each object's status. What makes it worth having is
-that every created or replaced body is validated against the real upstream schemas in
-../shared/crds (see k8s_schemas.py); an invalid body gets HTTP 422 naming the field, as
+that every created or replaced body is validated against the real upstream schemas vendored
+in tests/fixtures/crds (see k8s_schemas.py); an invalid body gets HTTP 422 naming the field, as
 from a real API server, and is recorded in `errors` so a test can assert there were none.
 
     with FakeK8s(crds_dir()) as fake:
@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, urlsplit
 from kubernetes import client as k8s
 
 from .http_fake import JsonHandler, LoopbackFake
-from .k8s_schemas import Validator, crds_dir, validators
+from .k8s_schemas import Validator, crds_dir, missing_files, missing_reason, validators
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,9 @@ class FakeK8s(LoopbackFake):
     def __init__(self, crds: Path | None = None) -> None:
         super().__init__()
         self.crds = crds or crds_dir()
+        if missing_files(self.crds):
+            # Without its schemas the fake would accept anything; that must not pass quietly.
+            raise FileNotFoundError(missing_reason(self.crds))
         self._validators: dict[str, Validator] = validators(self.crds)
         self._lock = threading.RLock()
         self._objects: dict[Key, dict[str, Any]] = {}

@@ -1,4 +1,4 @@
-"""Validation of custom-resource bodies against the upstream schemas in ../shared/crds.
+"""Validation of custom-resource bodies against the upstream schemas in tests/fixtures/crds.
 
 A FAKE's helper, for tests only: the real API server validates with the CRD's structural
 schema and `kubectl --validate=strict` rejects unknown fields; the controllers' admission
@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 from jsonschema import Draft7Validator
 
-REPO = Path(__file__).resolve().parents[2]
+# The upstream schemas, vendored with their provenance (README.md there; `make update-crds`).
+VENDORED_CRDS = Path(__file__).resolve().parents[1] / "fixtures" / "crds"
 PYTORCHJOB_CRD = "kubeflow.org_pytorchjobs.yaml"
 INFERENCESERVICE_CRD = "serving.kserve.io_inferenceservices.yaml"
 KATIB_SWAGGER = "katib_v1beta1_swagger.json"
@@ -52,22 +53,23 @@ Validator = Callable[[dict[str, Any]], list[str]]
 
 
 def crds_dir() -> Path:
-    """KUBELLM_CRDS_DIR, else the shared/crds directory next to the repository."""
-    return Path(os.environ.get("KUBELLM_CRDS_DIR") or REPO.parent / "shared" / "crds")
+    """KUBELLM_CRDS_DIR, else the vendored copies in tests/fixtures/crds."""
+    return Path(os.environ.get("KUBELLM_CRDS_DIR") or VENDORED_CRDS)
 
 
 def missing_files(directory: Path) -> list[str]:
     return [f for f in REQUIRED_FILES if not (directory / f).is_file()]
 
 
-def skip_reason(directory: Path) -> str:
+def missing_reason(directory: Path) -> str:
+    """Why the schema-validating fake cannot start: names the missing files and their source."""
+    override = os.environ.get("KUBELLM_CRDS_DIR")
+    where = f"KUBELLM_CRDS_DIR={override}" if override else "the vendored copy"
     return (
-        f"upstream API schemas not found in {directory} (missing: "
-        f"{', '.join(missing_files(directory))}). They are the CRDs of kubeflow/training-operator "
-        "(manifests/base/crds/kubeflow.org_pytorchjobs.yaml), kserve/kserve "
-        "(config/crd/full/serving.kserve.io_inferenceservices.yaml) and kubeflow/katib "
-        "(api/openapi-spec/swagger.json saved as katib_v1beta1_swagger.json), at the commits "
-        "listed in shared/crds/README.md; put them there or set KUBELLM_CRDS_DIR"
+        f"upstream API schemas missing from {directory} ({where}): "
+        f"{', '.join(missing_files(directory))}. The repository vendors them in "
+        f"{VENDORED_CRDS} (README.md there names each upstream repository, path and commit; "
+        "`make update-crds` re-fetches them); a test that validates against nothing is no test"
     )
 
 

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client as k8s
+from kubernetes.config import kube_config
+from kubernetes.config.config_exception import ConfigException
 
 from fakes.fake_k8s import FakeK8s
-from kubellm.jobs import JobFailed, TrainJob
-from kubellm.k8s.client import KubeClient, condition_is_true, failed_condition, status_summary
-from kubellm.k8s.pytorchjob import PYTORCHJOB, PyTorchJobTrainer, pytorchjob_manifest
+from kubellm.backends.base import JobFailed, TrainJob
+from kubellm.backends.kubernetes.client import (
+    KubeClient,
+    condition_is_true,
+    failed_condition,
+    status_summary,
+)
+from kubellm.backends.kubernetes.pytorchjob import (
+    PYTORCHJOB,
+    PyTorchJobTrainer,
+    pytorchjob_manifest,
+)
 
 from .conftest import POLL_S
 
@@ -86,8 +99,16 @@ def test_object_deleted_while_waited_on_is_a_failure(fake_k8s: FakeK8s) -> None:
         )
 
 
-def test_constructing_needs_no_cluster() -> None:
-    client = KubeClient(poll_interval_s=1.0)  # the kubeconfig is read on first use only
-    assert client.poll_interval_s == 1.0
+def test_constructing_needs_no_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Neither in a cluster nor with a kubeconfig: loading one here raises ConfigException.
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(
+        kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "no-kubeconfig")
+    )
+    client = KubeClient(poll_interval_s=1.0)  # so this must not read the kubeconfig
+    with pytest.raises(ConfigException, match=r"kube-config|no-kubeconfig"):  # read on first use
+        _ = client.api_client
+    given = k8s.ApiClient()
+    assert KubeClient(given).api_client is given  # a caller's client is used as it is
     with pytest.raises(ValueError, match="poll_interval_s"):
         KubeClient(poll_interval_s=0)

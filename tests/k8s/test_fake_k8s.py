@@ -13,12 +13,11 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from fakes.fake_k8s import RESOURCES, FakeK8s, merge_patch, selector_matches
-from kubellm.jobs import TrainJob
-from kubellm.k8s.inferenceservice import build_inferenceservice
-from kubellm.k8s.katib import build_experiment
-from kubellm.k8s.pytorchjob import pytorchjob_manifest
-from kubellm.serve.base import ServeRequest
-from kubellm.tune.base import SearchParam, TuneRequest
+from kubellm.backends.base import ServeRequest, TrainJob, TuneRequest
+from kubellm.backends.kubernetes.inferenceservice import build_inferenceservice
+from kubellm.backends.kubernetes.katib import build_experiment
+from kubellm.backends.kubernetes.pytorchjob import pytorchjob_manifest
+from kubellm.tune.search import SearchParam
 
 JOB = TrainJob(name="j", image="img", train_args=["--config", "c.json"], nnodes=2)
 

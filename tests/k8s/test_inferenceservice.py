@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 
 from fakes.fake_k8s import FakeK8s
-from kubellm.jobs import JobFailed, JobTimeout
-from kubellm.k8s.inferenceservice import InferenceServiceServer, build_inferenceservice
-from kubellm.serve.base import ServeRequest
+from kubellm.backends.base import JobFailed, JobTimeout, ServeRequest
+from kubellm.backends.kubernetes.inferenceservice import (
+    InferenceServiceServer,
+    build_inferenceservice,
+)
 
 from .conftest import POLL_S
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from fakes.fake_k8s import FakeK8s
-from kubellm.jobs import JobFailed, JobTimeout, TrainJob
-from kubellm.k8s.katib import KatibTuner, build_experiment
-from kubellm.tune.base import SearchParam, TuneRequest
+from kubellm.backends.base import JobFailed, JobTimeout, TrainJob, TuneRequest
+from kubellm.backends.kubernetes.katib import KatibTuner, build_experiment
+from kubellm.tune.search import SearchParam
 
 from .conftest import POLL_S
 

@@ -9,8 +9,12 @@ from typing import Any
 import pytest
 
 from fakes.fake_k8s import FakeK8s
-from kubellm.jobs import JobFailed, JobTimeout, TrainJob
-from kubellm.k8s.pytorchjob import PyTorchJobTrainer, master_selector, pytorchjob_manifest
+from kubellm.backends.base import JobFailed, JobTimeout, TrainJob
+from kubellm.backends.kubernetes.pytorchjob import (
+    PyTorchJobTrainer,
+    master_selector,
+    pytorchjob_manifest,
+)
 
 from .conftest import POLL_S
 
@@ -97,7 +101,7 @@ BUILD_CASES = [
     ),
     BuildCase(
         "preflight-module",
-        job(module="kubellm.preflight.fabric", nnodes=2, train_args=["--min-busbw", "10"]),
+        job(module="kubellm.train.fabric", nnodes=2, train_args=["--min-busbw", "10"]),
         workers=1,
         gpus=None,
         workspace=False,
@@ -123,7 +127,7 @@ def test_manifest_shape_and_schema(case: BuildCase, fake_k8s: FakeK8s) -> None:
         assert [*container["command"], *container["args"]] == [
             "python",
             "-m",
-            "kubellm.train.launch",
+            "kubellm.train.agent",
             "-m",
             case.job.module,
             *case.job.train_args,

@@ -22,10 +22,10 @@ import psutil
 import pytest
 import requests
 
-from kubellm.generate import complete, load_model
-from kubellm.jobs import JobFailed, JobTimeout
-from kubellm.serve.base import Endpoint, ServeRequest
-from kubellm.serve.local import LocalModelServer
+from kubellm.backends.base import JobFailed, JobTimeout, ServeRequest
+from kubellm.backends.local.model_server import LocalModelServer
+from kubellm.serve.client import Endpoint
+from kubellm.serve.generate import complete, load_model
 
 RUN_TAG = "t1"
 PROMPTS = ["12+7=", "3+4=", "45+6=", "99+1=", "10+20="]

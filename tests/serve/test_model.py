@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from kserve.errors import InvalidInput
 
-from kubellm.generate import complete, load_model
+from kubellm.serve.generate import complete, load_model
 from kubellm.serve.model import MAX_INSTANCES, MAX_NEW_TOKENS, CausalLMModel, parse_instances
 
 # Same token length (digits are one token each), so `complete` puts them in one batch.

@@ -15,7 +15,7 @@ import torch
 from kubellm.config import ModelConfig
 from kubellm.data.synthetic import arithmetic_records
 from kubellm.data.tokenizer import train_bpe
-from kubellm.model import build_model
+from kubellm.train.model import new_llama
 
 SHAPE = ModelConfig(
     hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=64
@@ -27,7 +27,7 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     texts = [r["text"] for r in arithmetic_records(400, seed=seed)]
     tokenizer = train_bpe(texts, vocab_size=300)
     torch.manual_seed(seed)
-    model = build_model(SHAPE, tokenizer)
+    model = new_llama(SHAPE, tokenizer)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from kubellm.backends import resolve
 from kubellm.config import PipelineConfig
 from serve.tiny_model import build_tiny_model
 from tracking.mlflow_server import MlflowServer, running_mlflow_server
@@ -36,7 +37,7 @@ def migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def local_cfg(tmp_path: Path, migrated_db: Path) -> PipelineConfig:
     """The local platform's config: MLflow on sqlite under runs_dir (this test's tmp_path)."""
     shutil.copyfile(migrated_db, tmp_path / "mlflow.db")
-    cfg = PipelineConfig(platform="local", runs_dir=str(tmp_path)).resolved()
+    cfg = resolve(PipelineConfig(platform="local", runs_dir=str(tmp_path)))
     assert cfg.mlflow_tracking_uri == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
     return cfg
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import requests
 
-from kubellm.serve.local import free_port
+from kubellm.backends.local.model_server import free_port
 
 
 class MlflowServerError(RuntimeError):

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from kubellm.backends import resolve
 from kubellm.config import PipelineConfig
-from kubellm.register.stage import run_register
-from kubellm.stage import StageContext
-from kubellm.tracking import TAG_KFP_RUN, TAG_PARENT, TAG_STAGE, Tracker
+from kubellm.stages import register
+from kubellm.stages.context import StageContext, open_tracker
+from kubellm.tracking import TAG_KFP_RUN, TAG_PARENT, TAG_STAGE
 from tracking.mlflow_server import MlflowServer
 
 FINGERPRINT = "sha256:0123abcd"
@@ -18,7 +19,7 @@ FINGERPRINT = "sha256:0123abcd"
 
 def _pipeline(cfg: PipelineConfig, kfp_run_id: str) -> StageContext:
     """What preflight does for a pipeline run: open the tracker, start the parent run."""
-    tracker = Tracker.open(cfg, kfp_run_id)
+    tracker = open_tracker(cfg, kfp_run_id)
     parent = tracker.start_parent(f"pipeline-{kfp_run_id}", {"seed": cfg.seed})
     return StageContext(cfg, tracker, parent, kfp_run_id)
 
@@ -86,9 +87,9 @@ def test_find_parent_by_kfp_run_id(local_cfg: PipelineConfig) -> None:
     assert first.tracker.experiment_id == second.tracker.experiment_id  # opened, not recreated
     _prepare_data(first)  # a stage run carries the KFP run id too, but is not the parent
 
-    assert Tracker.open(local_cfg, "kfp-run-a").find_parent() == first.parent_run_id
-    assert Tracker.open(local_cfg, "kfp-run-b").find_parent() == second.parent_run_id
-    assert Tracker.open(local_cfg, "kfp-run-unknown").find_parent() is None
+    assert open_tracker(local_cfg, "kfp-run-a").find_parent() == first.parent_run_id
+    assert open_tracker(local_cfg, "kfp-run-b").find_parent() == second.parent_run_id
+    assert open_tracker(local_cfg, "kfp-run-unknown").find_parent() is None
 
 
 def _assert_registered_with_lineage(
@@ -117,7 +118,7 @@ def _register_twice(cfg: PipelineConfig, model_dir: Path, run_prefix: str) -> St
     data_run = _prepare_data(first)
     with first.tracker.stage(first.parent_run_id, "evaluate") as eval_run:
         first.tracker.log(eval_run, metrics={"exact_match": 0.25, "perplexity": 3.5})
-    assert run_register(first, model_dir) == "1"
+    assert register.run(first, model_dir).version == "1"
     client = first.tracker.client
     _assert_registered_with_lineage(client, first, "1", data_run)
     v1 = client.get_model_version(cfg.model_name, "1")
@@ -126,7 +127,7 @@ def _register_twice(cfg: PipelineConfig, model_dir: Path, run_prefix: str) -> St
     assert v1.tags["perplexity"] == "3.5"
 
     second = _pipeline(cfg, f"{run_prefix}-2")
-    assert run_register(second, model_dir) == "2"
+    assert register.run(second, model_dir).version == "2"
     _assert_registered_with_lineage(client, second, "2", None)
     # version 1 keeps its own lineage
     assert client.get_model_version(cfg.model_name, "1").tags[TAG_KFP_RUN] == f"{run_prefix}-1"
@@ -146,7 +147,7 @@ def test_register_creates_versions_with_lineage_sqlite(
 def test_register_against_a_real_mlflow_server(
     mlflow_server: MlflowServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    cfg = PipelineConfig(platform="kubernetes", mlflow_tracking_uri=mlflow_server.url).resolved()
+    cfg = resolve(PipelineConfig(platform="kubernetes", mlflow_tracking_uri=mlflow_server.url))
     assert cfg.mlflow_tracking_uri == mlflow_server.url
     _register_twice(cfg, tiny_model_dir, "kfp-srv")
 
@@ -161,4 +162,7 @@ def test_register_against_a_real_mlflow_server(
     # the server, not this process, stored them: proxied to --artifacts-destination
     uploaded = list(mlflow_server.artifacts.rglob("config.json"))
     assert len(uploaded) == 2, uploaded  # one per registered version
-    assert mlflow_server.url.startswith("http://127.0.0.1:")
+    # and the run records the proxied location, not a path on this machine
+    assert client.get_run(mv.run_id).info.artifact_uri.startswith("mlflow-artifacts:"), (
+        client.get_run(mv.run_id).info.artifact_uri
+    )

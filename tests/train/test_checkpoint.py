@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from trainkit import step_losses, tiny_config, write_config
 
-from kubellm.jobs import TrainJob
+from kubellm.backends.base import TrainJob
+from kubellm.backends.local.torchrun import TorchrunTrainer
 from kubellm.train.checkpoint import MARKER, complete_checkpoints
-from kubellm.train.torchrun import TorchrunTrainer
 
 pytestmark = pytest.mark.slow
 STEPS = 8

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 from trainkit import tiny_config, write_config
 
+from kubellm.train.agent import exit_code
 from kubellm.train.checkpoint import complete_checkpoints
-from kubellm.train.launch import exit_code
 from kubellm.train.preempt import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
@@ -25,13 +25,13 @@ TIMEOUT_S = 240
 
 
 class Launch:
-    """`python -m kubellm.train.launch ...` as a child process whose output is watched."""
+    """`python -m kubellm.train.agent ...` as a child process whose output is watched."""
 
     def __init__(self, config: Path, *torchrun_args: str) -> None:
         cmd = [
             sys.executable,
             "-m",
-            "kubellm.train.launch",
+            "kubellm.train.agent",
             "--standalone",
             "--nproc_per_node=2",
             *torchrun_args,
@@ -116,7 +116,12 @@ def test_sigkilled_worker_is_restarted_and_ends_equal_to_an_uninterrupted_run(
     assert re.search(rf"local_rank: \d \(pid: {victim}\)", logs) or "exitcode: -9" in logs
     resumed = re.search(r"train: resumed from .*step-(\d+) at step (\d+)", logs)
     assert resumed, logs[-3000:]
-    assert int(resumed.group(2)) >= 100
+    from_ckpt, at_step = int(resumed.group(1)), int(resumed.group(2))
+    # The kill landed mid-training: the restart resumed below the final step and trained the
+    # rest. A kill during export (after the last step) would resume at 1,500 with nothing left.
+    assert from_ckpt == at_step
+    assert 100 <= at_step < values["steps"], logs[-3000:]
+    assert re.search(rf"^step={values['steps']} ", logs[resumed.end() :], re.M), logs[-3000:]
     a, b = _weights(tmp_path / "ref"), _weights(tmp_path / "killed")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)

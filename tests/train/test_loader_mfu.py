@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kubellm.data.artifact import load_split
 from kubellm.data.prepare import DataError
 from kubellm.train import mfu
-from kubellm.train.loader import DistributedLoader, load_split
+from kubellm.train.loader import DistributedLoader
 
 
 def _loader(data: torch.Tensor, rank: int, world: int, micro: int = 2) -> DistributedLoader:

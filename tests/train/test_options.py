@@ -11,12 +11,13 @@ from safetensors.torch import load_file
 from trainkit import TINY_MODEL, step_losses, tiny_config, write_config
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from kubellm.backends.base import TrainJob
+from kubellm.backends.local.torchrun import TorchrunTrainer
 from kubellm.config import ConfigError, TrainConfig
 from kubellm.data.prepare import PrepareParams, prepare
 from kubellm.data.tokenizer import load_tokenizer
-from kubellm.jobs import TrainJob
-from kubellm.train.loop import build_model, check, load_config, train
-from kubellm.train.torchrun import TorchrunTrainer
+from kubellm.train.loop import check, load_config, train
+from kubellm.train.model import build_model
 
 
 def _train(cfg: TrainConfig, capsys: pytest.CaptureFixture[str]) -> tuple[dict, dict[int, str]]:

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-import sys
+import math
+import os
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kubellm.backends.base import JobFailed, JobTimeout, TrainJob
+from kubellm.backends.local.torchrun import TorchrunTrainer
 from kubellm.config import TrainConfig
-from kubellm.jobs import JobFailed, JobTimeout, TrainJob
 from kubellm.train.loader import batch_indices
 from kubellm.train.loop import lr_factor
-from kubellm.train.torchrun import TorchrunTrainer
 
 
 @pytest.fixture
@@ -117,12 +120,15 @@ def test_unknown_override_names_the_field(dataset: Path, tmp_path: Path) -> None
 def test_timeout_kills_the_job(tmp_path: Path) -> None:
     script = tmp_path / "sleepy.py"
     script.write_text("import time\ntime.sleep(60)\n")
-    job = TrainJob(name="sleepy", module="sleepy", train_args=[], timeout_s=2)
-    sys.path.insert(0, str(tmp_path))
+    # the worker finds `sleepy` through its environment; this process's sys.path is untouched
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    job = TrainJob(
+        name="sleepy", module="sleepy", train_args=[], timeout_s=2, env={"PYTHONPATH": path}
+    )
+    started = time.monotonic()
     with pytest.raises(JobTimeout, match="still running after 2s"):
-        TorchrunTrainer(echo=False).run(
-            TrainJob(**{**job.__dict__, "env": {"PYTHONPATH": str(tmp_path)}})
-        )
+        TorchrunTrainer(echo=False).run(job)
+    assert time.monotonic() - started < 30, "the job was not killed at its timeout"
 
 
 def test_multi_node_is_refused_locally() -> None:
@@ -141,4 +147,9 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     assert lr_factor(0, 10, 100) == pytest.approx(0.1)
     assert lr_factor(9, 10, 100) == pytest.approx(1.0)
     assert lr_factor(99, 10, 100) == pytest.approx(0.1, abs=0.01)
-    assert json.dumps(lr_factor(50, 10, 100))  # plain float
+    mid = lr_factor(50, 10, 100)  # cosine: 40 of the 90 decay steps done
+    assert type(mid) is float  # a plain float (logged and serialized as is), not a tensor
+    assert mid == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 40 / 90)))
+    decay = [lr_factor(s, 10, 100) for s in range(10, 100)]
+    assert all(a > b for a, b in itertools.pairwise(decay)), "decay is not monotone"
+    assert lr_factor(150, 10, 100) == pytest.approx(0.1)  # past the end: the floor, not below

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kubellm.config import TrainConfig
-from kubellm.jobs import parse_metrics
+from kubellm.train.metric_lines import parse_metrics
 
 TINY_MODEL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
 

@@ -1,1 +1,1 @@
-"""data stage."""
+"""Data: sources, cleaning, dedup, tokenization, packing, and the Dataset artifact."""

@@ -44,6 +44,11 @@ class PackStats:
         }
 
 
+def concat_rows(parts: list[Rows]) -> Rows:
+    """One Rows of several, in order."""
+    return Rows(np.concatenate([r.ids for r in parts]), np.concatenate([r.mask for r in parts]))
+
+
 def _flatten(docs: list[Doc], eos: int) -> tuple[np.ndarray, np.ndarray]:
     total = sum(len(ids) + 1 for ids, _ in docs)
     ids_out = np.empty(total, dtype=np.int32)

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import string
 import sys
 import time
 import unicodedata
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kubellm.data.artifact import MANIFEST
 from kubellm.data.minhash import NearDuplicates
 from kubellm.data.packing import (
     BestFitPacker,
@@ -44,18 +45,22 @@ from kubellm.data.packing import (
     Doc,
     PackStats,
     Rows,
+    concat_rows,
     make_packer,
 )
 from kubellm.data.records import Counts, DataError, Record
 from kubellm.data.sources import SourceOptions, read_records, source_files
 from kubellm.data.tokenizer import load_tokenizer, train_bpe
 
-__all__ = ["DataError", "PrepareParams", "is_validation", "load_manifest", "prepare"]
+__all__ = ["DataError", "PrepareParams", "is_validation", "prepare"]
 
-MANIFEST = "manifest.json"
 MAX_LISTED_FILES = 1000  # in the manifest; the count is always complete
 MAX_EXAMPLES = 10_000  # held-out prompt/completion pairs kept for task metrics
-_WS = re.compile(r"[ \t\r\f\v]+")
+# A tokenizer batch ends at `batch_records` records or at this many characters, whichever
+# comes first: long documents make small batches, so tokenizing starts early, overlaps
+# reading and cleaning, and memory holds a few batches, not a few thousand long documents.
+_BATCH_CHARS = 1 << 20
+_MAX_INFLIGHT = 3  # batches cleaned but not yet packed and written
 _NOT_SYMBOL_BYTES = (string.ascii_letters + string.digits + string.whitespace).encode() + bytes(
     range(128, 256)
 )
@@ -102,14 +107,49 @@ class PrepareParams:
 
 
 def normalize(text: str) -> str:
-    """Unicode NFC, runs of horizontal whitespace folded, lines stripped."""
-    if not unicodedata.is_normalized("NFC", text):
-        text = unicodedata.normalize("NFC", text)
-    if not _needs_folding(text):  # the common case: C scans, no regex
+    """Unicode NFC, runs of horizontal whitespace folded, lines stripped.
+
+    In full (the contract the tests hold the fast paths to): NFC; then, if the text has a
+    run of two spaces, a tab, CR, FF or VT, or a space next to a newline: with no LF, every
+    run of [ \\t\\r\\f\\v] becomes one space; with an LF, the text is split into lines as
+    `str.splitlines` splits, each line's runs of spaces and tabs become one space, each line
+    is stripped and the lines are joined with LF. Last, the whole text is stripped.
+
+    Only C-level str methods, one pass each: no regex scan and no Python loop per line (on
+    long, irregular documents a regex per line cost a tenth of prepare's CPU time).
+    """
+    text = _nfc(text)
+    if not _needs_folding(text):  # the common case: C scans, no copies
         return text.strip()
-    if "\n" not in text:
-        return _WS.sub(" ", text).strip()
-    return "\n".join(_WS.sub(" ", line).strip() for line in text.splitlines()).strip()
+    if "\n" in text:
+        # strip, then fold: the same as the other way round (a run at a line's edge goes
+        # either way), and then only runs inside lines are left to fold
+        text = "\n".join(map(str.strip, text.splitlines()))
+        if "\t" in text:
+            text = text.replace("\t", " ")
+    else:
+        for ch in "\t\r\f\v":
+            if ch in text:
+                text = text.replace(ch, " ")
+    while "  " in text:  # a run of n spaces takes about log2(n) passes
+        text = text.replace("  ", " ")
+    return text.strip()
+
+
+def _nfc(text: str) -> str:
+    """NFC. Text below U+0100 is NFC as it is (no combining marks, no singletons).
+
+    `unicodedata.normalize` returns its input when its quick check passes, so it is not
+    preceded by `is_normalized`, which scans too (and for text with combining marks
+    normalizes it in full), only to repeat the work when the text needs it.
+    """
+    if text.isascii():
+        return text
+    try:
+        text.encode("latin-1")  # at memcpy speed: every character below U+0100
+    except UnicodeEncodeError:
+        return unicodedata.normalize("NFC", text)
+    return text
 
 
 def _needs_folding(text: str) -> bool:
@@ -218,16 +258,37 @@ def _tokenize(tokenizer: Any, records: list[Record], mask_prompt: bool) -> list[
     Prompt/completion records are encoded in two parts when the prompt is masked, so the
     boundary is exact; plain text is one part, all targets.
     """
+    return _docs(_encode(tokenizer, records, mask_prompt))
+
+
+_Encoded = tuple[list[bool], list[Any], list[Any], list[Any]]
+
+
+def _encode(tokenizer: Any, records: list[Record], mask_prompt: bool) -> _Encoded:
+    """The tokenizer's calls for `records`: (split, whole, prompts, answers) encodings.
+
+    Only the Rust calls (they release the GIL and use every core); `_docs` takes the ids
+    out, so a thread running this one is free to start the next batch meanwhile.
+    """
     backend = tokenizer.backend_tokenizer
     # encode_batch_fast: the same ids as encode_batch, without computing character offsets
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
     split = [mask_prompt and r.is_pair for r in records]
+    if not any(split):
+        return split, encode([r.text for r in records], add_special_tokens=False), [], []
     whole = encode(
         [r.text for r, s in zip(records, split, strict=True) if not s], add_special_tokens=False
     )
     pairs = [r for r, s in zip(records, split, strict=True) if s]
     prompts = encode([r.prompt for r in pairs], add_special_tokens=False)
     answers = encode([r.completion for r in pairs], add_special_tokens=False)
+    return split, whole, prompts, answers
+
+
+def _docs(encoded: _Encoded) -> list[Doc]:
+    split, whole, prompts, answers = encoded
+    if not prompts:
+        return [(e.ids, 0) for e in whole]
     out: list[Doc] = []
     it_whole, it_p, it_a = iter(whole), iter(prompts), iter(answers)
     for s in split:
@@ -299,7 +360,11 @@ class _ShardWriter:
 class _Split:
     packer: ConcatPacker | BestFitPacker
     writer: _ShardWriter
-    pending: list[Record]
+    pending: list[Record]  # cleaned, not yet sent to the tokenizer
+    pending_chars: int = 0
+    in_group: int = 0  # records since the last group ended
+    group_rows: list[Rows] = field(default_factory=list)  # packed (concat), not yet written
+    group_docs: list[Doc] = field(default_factory=list)  # tokenized (best_fit), not packed
     tokens: int = 0
     documents: int = 0
     masked: int = 0
@@ -360,28 +425,55 @@ def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
     }
     examples: list[dict[str, str]] = []
 
-    def work(split: _Split, records: list[Record], final: bool) -> None:
-        """Tokenize, pack and write one batch (in the worker thread, batches in order)."""
-        docs = _tokenize(tokenizer, records, p.mask_prompt) if records else []
+    def pack(split: _Split, encoded: Future[_Encoded] | None, end: bool, final: bool) -> None:
+        """Take the ids out of one tokenized batch, pack them, and write each finished group.
+
+        Runs in the packing thread, batches in order. A group is `batch_records` records of
+        a split (or what is left at the end): rows are written a group at a time and
+        best-fit packs a group at a time, so the shards do not depend on how a group was
+        cut into tokenizer batches.
+        """
+        docs = _docs(encoded.result()) if encoded is not None else []
         split.documents += len(docs)
         split.masked += sum(1 for _, n in docs if n)
         split.tokens += sum(len(ids) + 1 for ids, _ in docs)
-        if docs:
-            split.writer.write(split.packer.add(docs))
+        if isinstance(split.packer, ConcatPacker):
+            if docs:
+                split.group_rows.append(split.packer.add(docs))
+            if end and split.group_rows:
+                rows, split.group_rows = split.group_rows, []
+                split.writer.write(rows[0] if len(rows) == 1 else concat_rows(rows))
+        else:
+            split.group_docs += docs
+            if end:
+                group, split.group_docs = split.group_docs, []
+                if group:
+                    split.writer.write(split.packer.add(group))
         if final:
             split.writer.write(split.packer.finish())
 
     total_tokens = 0
     last_report = time.monotonic()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as pool:
-        inflight: list[Future[None]] = []
+    # Three threads: this one reads and cleans; "tokenize" only calls the tokenizer (which
+    # releases the GIL and runs on every core); "pack" takes the ids out, packs and writes.
+    # The tokenizer never waits for Python work to finish, so every core stays busy.
+    with (
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize") as tok_pool,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="pack") as pack_pool,
+    ):
+        inflight: deque[Future[None]] = deque()
 
-        def submit(split: _Split, final: bool = False) -> None:
-            records, split.pending = split.pending, []
-            # one worker, FIFO: batches are packed and written in order (deterministic)
-            inflight.append(pool.submit(work, split, records, final))
-            while len(inflight) > 2:  # bounded: at most two batches waiting
-                inflight.pop(0).result()
+        def submit(split: _Split, end: bool, final: bool = False) -> None:
+            records, split.pending, split.pending_chars = split.pending, [], 0
+            if end:
+                split.in_group = 0
+            encoded = (
+                tok_pool.submit(_encode, tokenizer, records, p.mask_prompt) if records else None
+            )
+            # one worker each, FIFO: batches are packed and written in order (deterministic)
+            inflight.append(pack_pool.submit(pack, split, encoded, end, final))
+            while len(inflight) > _MAX_INFLIGHT:  # bounded memory: a few batches at a time
+                inflight.popleft().result()
 
         for rec in read_records(p.source, p.source_options(), counts):
             kept = cleaner.keep(rec)
@@ -390,18 +482,22 @@ def prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
             rec, held_out = kept
             split = splits["val" if held_out else "train"]
             split.pending.append(rec)
+            split.pending_chars += len(rec.text)
+            split.in_group += 1
             if held_out and rec.is_pair and len(examples) < MAX_EXAMPLES:
                 examples.append({"prompt": rec.prompt or "", "completion": rec.completion or ""})
-            if len(split.pending) >= p.batch_records:
-                submit(split)
+            if split.in_group >= p.batch_records:
+                submit(split, end=True)
+            elif split.pending_chars >= _BATCH_CHARS:
+                submit(split, end=False)
             if p.progress_s and time.monotonic() - last_report > p.progress_s:
                 total_tokens = sum(s.tokens for s in splits.values())
                 print(_progress(counts, total_tokens, t0), file=sys.stderr, flush=True)
                 last_report = time.monotonic()
         for split in splits.values():
-            submit(split, final=True)
-        for f in inflight:
-            f.result()
+            submit(split, end=True, final=True)
+        while inflight:
+            inflight.popleft().result()
 
     counts.assert_reconciled()
     files = source_files(p.source)
@@ -486,10 +582,3 @@ def _combined(stats: list[PackStats], rows_tokens: int) -> dict[str, float]:
         total.padding += s.padding
         total.cropped += s.cropped
     return dict(total.percentages(rows_tokens))
-
-
-def load_manifest(dataset_dir: str | Path) -> dict[str, Any]:
-    path = Path(dataset_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{dataset_dir} is not a kubellm dataset: {MANIFEST} is missing")
-    return dict(json.loads(path.read_text()))

@@ -1,1 +1,1 @@
-"""evaluate stage."""
+"""Held-out evaluation: loss, perplexity and task metrics of a model directory."""

@@ -6,11 +6,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
 import torch
 
-from kubellm.generate import complete, load_model
-from kubellm.train.loader import load_split
+from kubellm.data.artifact import load_eval_examples, load_split
+from kubellm.serve.generate import complete, load_model
 
 
 @torch.no_grad()
@@ -31,8 +30,7 @@ def evaluate(
     model, tokenizer = load_model(model_dir)
     loss = heldout_loss(model, dataset_dir)
     metrics: dict[str, Any] = {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
-    path = Path(dataset_dir) / "eval" / "examples.parquet"
-    examples = pq.read_table(path).to_pylist()[:max_examples] if path.is_file() else []
+    examples = load_eval_examples(dataset_dir, max_examples)
     predictions: list[dict[str, Any]] = []
     if examples:
         longest = max(len(tokenizer(e["completion"])["input_ids"]) for e in examples)

@@ -1,1 +1,1 @@
-"""serve stage."""
+"""Serving: the KServe model, its server process, generation, and the protocol client."""

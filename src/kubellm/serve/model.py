@@ -13,7 +13,7 @@ from typing import Any
 import kserve
 from kserve.errors import InvalidInput
 
-from kubellm.generate import complete, load_model
+from kubellm.serve.generate import complete, load_model
 
 MAX_NEW_TOKENS = 256
 DEFAULT_NEW_TOKENS = 8

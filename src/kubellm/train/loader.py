@@ -17,46 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow.parquet as pq
 import torch
 
-from kubellm.data.prepare import DataError
-
-IGNORE_INDEX = -100
-
-
-def load_split(dataset_dir: str | Path, split: str) -> torch.Tensor:
-    """Rows of a split as int32, shape (2, N, seq_len): input ids and labels (-100 masked)."""
-    files = sorted((Path(dataset_dir) / split).glob("*.parquet"))
-    if not files:
-        raise DataError(f"{dataset_dir}/{split} has no Parquet shards")
-    ids_parts: list[np.ndarray] = []
-    mask_parts: list[np.ndarray] = []
-    seq_len = 0
-    for f in files:
-        table = pq.read_table(f)
-        col = table.column("input_ids").combine_chunks()
-        if len(col) == 0:
-            continue
-        flat = np.asarray(col.flatten(), dtype=np.int32)
-        seq_len = seq_len or len(flat) // len(col)
-        if len(flat) != seq_len * len(col):
-            raise DataError(f"{f}: rows are not all {seq_len} tokens long (not a packed shard)")
-        ids_parts.append(flat.reshape(len(col), seq_len))
-        if "loss_mask" in table.column_names:
-            m = np.asarray(table.column("loss_mask").combine_chunks().flatten(), dtype=np.bool_)
-            mask_parts.append(m.reshape(len(col), seq_len))
-        else:
-            mask_parts.append(np.ones((len(col), seq_len), dtype=np.bool_))
-    if not ids_parts:
-        raise DataError(f"{dataset_dir}/{split} has no rows")
-    ids = torch.from_numpy(np.concatenate(ids_parts))
-    keep = torch.from_numpy(np.concatenate(mask_parts))
-    return torch.stack([ids, ids.masked_fill(~keep, IGNORE_INDEX)])
+from kubellm.data.records import DataError
 
 
 def batch_indices(n: int, step: int, batch: int, seed: int) -> torch.Tensor:

@@ -24,7 +24,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -36,12 +35,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from kubellm.config import ConfigError, TrainConfig, parse_overrides, validate
-from kubellm.data.prepare import DataError, load_manifest
+from kubellm.data.artifact import load_manifest, load_split, tokenizer_dir
+from kubellm.data.records import DataError
 from kubellm.data.tokenizer import load_tokenizer
-from kubellm.jobs import format_metrics
-from kubellm.model import build_model as build_from_config
 from kubellm.train import checkpoint, mfu
-from kubellm.train.loader import DistributedLoader, load_split
+from kubellm.train.loader import DistributedLoader
+from kubellm.train.metric_lines import format_metrics
+from kubellm.train.model import build_model, export, hf_config, wrap
 from kubellm.train.preempt import EXIT_PREEMPTED, Preemption
 
 
@@ -58,11 +58,11 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--config", help="TrainConfig as a JSON file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
     args = parser.parse_args(argv)
-    values: dict[str, Any] = {}
-    if args.config:
-        values = json.loads(Path(args.config).read_text())
-    values.update(parse_overrides(args.overrides, TrainConfig))
-    return validate(TrainConfig, values)
+    base = json.loads(Path(args.config).read_text()) if args.config else {}
+    overrides = parse_overrides(args.overrides, TrainConfig)
+    if not args.config:
+        return validate(TrainConfig, overrides)
+    return validate(TrainConfig, base).with_values(overrides)
 
 
 @dataclass
@@ -77,31 +77,17 @@ class Plan:
     bf16: bool
 
 
-def _hf_config(cfg: TrainConfig) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(
-            cfg.model_name_or_path, trust_remote_code=cfg.trust_remote_code
-        )
-    except Exception as err:  # OSError, ValueError: say which field and why, in one line
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ConfigError(
-            f"invalid model_name_or_path={cfg.model_name_or_path!r}: {reason}"
-        ) from None
-
-
 def check(cfg: TrainConfig, world_size: int, local_rank: int = 0) -> Plan:
     """Everything that can be wrong before the process group starts."""
     micro = cfg.micro_batch(world_size)
     try:
         manifest = load_manifest(cfg.dataset_dir)
-        tokenizer = load_tokenizer(Path(cfg.dataset_dir) / "tokenizer")
+        tokenizer = load_tokenizer(tokenizer_dir(cfg.dataset_dir))
     except (DataError, OSError, ValueError) as err:
         raise ConfigError(f"invalid dataset_dir={cfg.dataset_dir!r}: {err}") from None
     seq_len = int(manifest["seq_len"])
     if cfg.model_name_or_path:
-        hf = _hf_config(cfg)
+        hf = hf_config(cfg)
         limit = getattr(hf, "max_position_embeddings", None)
         if limit is not None and seq_len > limit:
             raise ConfigError(
@@ -129,99 +115,6 @@ def check(cfg: TrainConfig, world_size: int, local_rank: int = 0) -> Plan:
         cfg.precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     )
     return Plan(tokenizer, micro, seq_len, device, backend, bf16)
-
-
-def _base_model(model: Any) -> Any:
-    """The transformers model under a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks, by the Hugging Face `_no_split_modules` convention."""
-    names = set(getattr(_base_model(model), "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
-def build_model(cfg: TrainConfig, tokenizer: Any, weights: bool = True) -> torch.nn.Module:
-    """The model to train, on CPU, in float32, identical on every rank (seeded).
-
-    `weights=False` skips reading a pretrained model's weights: the same modules, to be
-    filled with `load_state_dict` (the FSDP export's rank-0 copy).
-    """
-    torch.manual_seed(cfg.seed)
-    model: Any
-    if cfg.model_name_or_path and not weights:
-        from transformers import AutoModelForCausalLM
-
-        hf = _hf_config(cfg)
-        model = AutoModelForCausalLM.from_config(
-            hf, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32
-        )
-    elif cfg.model_name_or_path:
-        from transformers import AutoModelForCausalLM
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.model_name_or_path,
-                trust_remote_code=cfg.trust_remote_code,
-                use_safetensors=True,  # never unpickle weights
-                dtype=torch.float32,
-            )
-        except (OSError, ValueError) as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-            raise ConfigError(
-                f"invalid model_name_or_path={cfg.model_name_or_path!r}: {reason}"
-            ) from None
-    else:
-        model = build_from_config(cfg.model, tokenizer)
-    if cfg.activation_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-        model.config.use_cache = False
-    if cfg.lora is not None:
-        from peft import LoraConfig, get_peft_model
-
-        try:
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=cfg.lora.r,
-                    lora_alpha=cfg.lora.alpha,
-                    lora_dropout=cfg.lora.dropout,
-                    target_modules=cfg.lora.target_modules,
-                    task_type="CAUSAL_LM",
-                ),
-            )
-        except ValueError as err:
-            raise ConfigError(
-                f"invalid lora.target_modules={cfg.lora.target_modules}: {err}"
-            ) from None
-    if cfg.compile:
-        for layer in decoder_layers(model):
-            layer.compile()  # in place: parameter names (and checkpoints) stay the same
-    return model
-
-
-def wrap(model: torch.nn.Module, cfg: TrainConfig, plan: Plan, world: int) -> torch.nn.Module:
-    """DDP or FSDP2 around the model (after the process group exists); as is for one process."""
-    model.to(plan.device)
-    if world == 1:
-        return model
-    if cfg.strategy == "ddp":
-        ids = [plan.device.index] if plan.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(plan.device.type, (world,))
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if plan.bf16
-        else MixedPrecisionPolicy()
-    )
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -290,7 +183,7 @@ class _Run:
     ) -> None:
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
         self.model = model  # unwrapped (FSDP2 shards it in place; DDP wraps it)
-        self.engine = wrap(model, cfg, plan, world)
+        self.engine = wrap(model, cfg, plan.device, plan.bf16, world)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # One fused kernel per step where the parameters are plain tensors (DDP, one
         # process); FSDP2's DTensor parameters take the multi-tensor (foreach) path.
@@ -517,27 +410,6 @@ class _Run:
             model.config.use_cache = True  # type: ignore[union-attr]
         export(model.to("cpu"), self.plan.tokenizer, self.cfg.output_dir)
         self.log(f"exported model to {self.cfg.output_dir}")
-
-
-def export(model: torch.nn.Module, tokenizer: Any, output_dir: str) -> None:
-    """Write the Hugging Face directory atomically: a temp name, then rename."""
-    out = Path(output_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one bar per shard: noise in a job log
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        gen.eos_token_id = tokenizer.eos_token_id
-        gen.pad_token_id = tokenizer.pad_token_id
-        gen.do_sample = False
-    model.save_pretrained(tmp, safe_serialization=True)  # type: ignore[operator]
-    tokenizer.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,1 +1,1 @@
-"""tune stage."""
+"""Hyperparameter search: the search space and trial vocabulary (tuners live in backends)."""

@@ -1,0 +1,102 @@
+"""Pick each external system's implementation from `platform`, in one place.
+
+Stages ask for a trainer, a tuner, a server and a workspace; only this module knows that
+`local` means torchrun, optuna, a loopback ModelServer and plain directories, and that
+`kubernetes` means a PyTorchJob, a Katib Experiment, an InferenceService and a shared PVC.
+The implementations are imported on first use, so a local run never loads the Kubernetes
+SDKs and a cluster step never imports optuna.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from kubellm.backends.base import Server, Trainer, Tuner, Workspace
+from kubellm.config import PipelineConfig
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """Where MLflow keeps this platform's artifacts, and how a person opens the UI."""
+
+    artifact_location: str | None  # None: the tracking server's default
+    ui_hint: str
+
+
+class Backends:
+    """The trainer, tuner, server, workspace and tracking settings of one platform."""
+
+    def __init__(self, cfg: PipelineConfig, kfp_run_id: str) -> None:
+        self.cfg = cfg
+        self.kfp_run_id = kfp_run_id
+        self.local = cfg.platform == "local"
+
+    @cached_property
+    def workspace(self) -> Workspace:
+        if self.local:
+            from kubellm.backends.local.workspace import LocalWorkspace
+
+            return LocalWorkspace(Path(self.cfg.runs_dir) / "work" / self.kfp_run_id)
+        from kubellm.backends.kubernetes.workspace import PvcWorkspace
+
+        return PvcWorkspace(self.cfg.workspace_pvc, self.kfp_run_id)
+
+    @cached_property
+    def trainer(self) -> Trainer:
+        if self.local:
+            from kubellm.backends.local.torchrun import TorchrunTrainer
+
+            return TorchrunTrainer()
+        from kubellm.backends.kubernetes.pytorchjob import PyTorchJobTrainer
+
+        return PyTorchJobTrainer()
+
+    @cached_property
+    def tuner(self) -> Tuner:
+        if self.local:
+            from kubellm.backends.local.optuna_tuner import OptunaTuner
+
+            return OptunaTuner(self.trainer)
+        from kubellm.backends.kubernetes.katib import KatibTuner
+
+        return KatibTuner()
+
+    @cached_property
+    def server(self) -> Server:
+        if self.local:
+            from kubellm.backends.local.model_server import LocalModelServer
+
+            return LocalModelServer(Path(self.cfg.runs_dir) / "servers")
+        from kubellm.backends.kubernetes.inferenceservice import InferenceServiceServer
+
+        return InferenceServiceServer(namespace=self.cfg.namespace)
+
+    @cached_property
+    def tracking(self) -> Tracking:
+        uri = self.cfg.mlflow_tracking_uri
+        if self.local:
+            location = (Path(self.cfg.runs_dir) / "mlartifacts").resolve().as_uri()
+            return Tracking(location, f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
+        return Tracking(None, f"open {uri}")
+
+
+def resolve(cfg: PipelineConfig) -> PipelineConfig:
+    """Fill the values that depend on where we run: absolute local paths and the tracking
+    URI (sqlite under runs_dir locally; $MLFLOW_TRACKING_URI, from the kubellm-config
+    ConfigMap, on a cluster)."""
+    runs = Path(cfg.runs_dir).expanduser()
+    uri = cfg.mlflow_tracking_uri
+    if cfg.platform == "local":
+        runs = runs.resolve()
+        uri = uri or f"sqlite:///{runs / 'mlflow.db'}"
+    else:
+        uri = uri or os.environ.get("MLFLOW_TRACKING_URI", "http://mlflow.kubellm:5000")
+    return cfg.model_copy(update={"runs_dir": str(runs), "mlflow_tracking_uri": uri})
+
+
+def select(cfg: PipelineConfig, kfp_run_id: str) -> Backends:
+    """The backends for `cfg.platform` (constructed lazily, each at most once)."""
+    return Backends(cfg, kfp_run_id)

@@ -1,0 +1,162 @@
+"""The four seams between the pipeline's stages and the systems that do the work.
+
+A stage asks a `Trainer` to run a job, a `Tuner` to search, a `Server` to serve, and a
+`Workspace` for files that jobs must see. `kubellm.backends.select` picks the local or the
+Kubernetes implementation of each from `platform`; nothing else in kubellm branches on it.
+
+The contract every implementation keeps: a job that does not succeed raises `JobFailed`
+with the reason, and nothing waits past its timeout.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from kubellm.serve.client import Endpoint
+from kubellm.tune.search import SearchParam, TuneResult
+
+# Where the shared workspace volume is mounted in step pods and job pods (cluster).
+WORKSPACE_MOUNT = "/workspace"
+
+
+class JobFailed(RuntimeError):
+    """A job reached a failed terminal state; the message carries its reason."""
+
+
+class JobTimeout(JobFailed):
+    """A job did not finish in time; it has been deleted (or killed)."""
+
+
+# -- training ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One run of `python -m <module>` (the training entrypoint by default) on some launcher.
+
+    `module` is also `kubellm.train.fabric`: preflight's fabric check runs with the
+    training topology on the same launcher.
+    """
+
+    name: str
+    train_args: list[str]
+    module: str = "kubellm.train"
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    timeout_s: float = 3600.0
+    image: str = ""
+    namespace: str = "default"
+    env: dict[str, str] = field(default_factory=dict)
+    workspace_pvc: str | None = None
+    gpus_per_node: int = 0
+    # torchrun restarts the worker group this many times after a worker dies (local runs;
+    # on a cluster the PyTorchJob's ExitCode restart policy and backoffLimit do this).
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class JobResult:
+    name: str
+    logs: str
+    metrics: dict[str, float]
+
+
+class Trainer(ABC):
+    """Runs one training job and returns its logs and metrics, or raises JobFailed."""
+
+    @abstractmethod
+    def run(self, job: TrainJob) -> JobResult: ...
+
+
+# -- tuning --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    name: str
+    trial_job: TrainJob  # the template; each trial appends `--set name=value` per parameter
+    space: list[SearchParam]
+    max_trials: int
+    objective: str = "eval_loss"
+    goal: Literal["minimize", "maximize"] = "minimize"
+    parallel_trials: int = 1
+    seed: int = 0
+    timeout_s: float = 3600.0
+
+
+class Tuner(ABC):
+    """Runs trials (training jobs with sampled hyperparameters) and returns the best."""
+
+    @abstractmethod
+    def tune(self, request: TuneRequest) -> TuneResult: ...
+
+
+# -- serving -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    name: str  # model / InferenceService name (DNS-1123)
+    model_uri: str  # local directory (local) or storage URI / pvc:// path (cluster)
+    namespace: str = "default"
+    image: str = ""
+    timeout_s: float = 600.0
+    run_tag: str = ""  # the pipeline run that owns the server (for cleanup)
+
+
+class Server(ABC):
+    """Serves a model directory behind the KServe V1 protocol (see kubellm.serve.client)."""
+
+    @abstractmethod
+    def deploy(self, request: ServeRequest) -> Endpoint:
+        """Start serving and return once the model answers readiness checks."""
+
+    @abstractmethod
+    def delete(self, name: str, run_tag: str = "") -> None:
+        """Stop serving `name` (idempotent)."""
+
+    def release(self, run_tag: str) -> int:
+        """End of a pipeline run: stop what only lived for the run; returns how many.
+
+        A cluster deployment outlives its run (it is the product), so by default nothing.
+        """
+        return 0
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+class Workspace(ABC):
+    """Where a step puts files that a job (another process or pod) must read or write."""
+
+    pvc_name: str | None = None  # mounted at WORKSPACE_MOUNT in job pods, when there is one
+
+    @abstractmethod
+    def dir(self, *parts: str) -> Path:
+        """A directory both the step and its jobs see, created if missing."""
+
+    @abstractmethod
+    def share(self, src: str | Path, *parts: str) -> Path:
+        """Make `src` visible to jobs; returns the path jobs use."""
+
+    @abstractmethod
+    def collect(self, job_path: Path, dest: str | Path) -> None:
+        """Bring a job's output at `job_path` into the step's `dest` (an artifact path)."""
+
+    @abstractmethod
+    def model_uri(self, path: Path) -> str:
+        """How the server backend reaches a model directory at `path`."""
+
+
+def dns_name(*parts: str, max_len: int = 52) -> str:
+    """A DNS-1123 label from parts (Kubernetes object names; Katib needs room for suffixes)."""
+    raw = "-".join(p for p in parts if p).lower()
+    name = re.sub(r"[^a-z0-9-]+", "-", raw).strip("-")
+    name = re.sub(r"-{2,}", "-", name)[:max_len].strip("-")
+    if not name:
+        raise ValueError(f"cannot make a Kubernetes name from {parts!r}")
+    return name

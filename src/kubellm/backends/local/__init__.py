@@ -1,0 +1,1 @@
+"""The local backends: torchrun, optuna, a loopback KServe ModelServer, plain directories."""

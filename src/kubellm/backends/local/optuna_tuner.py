@@ -1,0 +1,60 @@
+"""The local tuner: optuna's TPE over the search space; each trial is a real training job."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optuna
+
+from kubellm.backends.base import JobFailed, Trainer, TrainJob, Tuner, TuneRequest
+from kubellm.tune.search import Trial, TuneResult, trial_args
+
+
+class OptunaTuner(Tuner):
+    """Optuna standing in for Katib: same search space, same trial entrypoint and metric lines."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def tune(self, request: TuneRequest) -> TuneResult:
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        study = optuna.create_study(
+            direction=request.goal, sampler=optuna.samplers.TPESampler(seed=request.seed)
+        )
+        trials: list[Trial] = []
+
+        def objective(ot: optuna.Trial) -> float:
+            params: dict[str, float] = {}
+            for p in request.space:
+                if p.kind == "int":
+                    params[p.name] = ot.suggest_int(p.name, int(p.low), int(p.high), log=p.log)
+                else:
+                    params[p.name] = ot.suggest_float(p.name, p.low, p.high, log=p.log)
+            name = f"{request.name}-trial-{ot.number}"
+            job: TrainJob = dataclasses.replace(
+                request.trial_job,
+                name=name,
+                train_args=trial_args(request.trial_job.train_args, params, request.space),
+            )
+            try:
+                result = self.trainer.run(job)
+            except JobFailed as err:
+                trials.append(Trial(name, params, None, "failed"))
+                print(f"[{request.name}] trial {ot.number} failed: {err}", flush=True)
+                raise optuna.TrialPruned(str(err)) from err
+            if request.objective not in result.metrics:
+                trials.append(Trial(name, params, None, "failed"))
+                raise optuna.TrialPruned(f"{name} printed no {request.objective}= line")
+            value = result.metrics[request.objective]
+            trials.append(Trial(name, params, value, "succeeded"))
+            print(f"[{request.name}] trial {ot.number}: {params} {request.objective}={value:.5g}")
+            return value
+
+        study.optimize(objective, n_trials=request.max_trials, timeout=request.timeout_s)
+        done = [t for t in trials if t.value is not None]
+        if not done:
+            raise JobFailed(f"{request.name}: all {len(trials)} trials failed")
+        sign = 1.0 if request.goal == "minimize" else -1.0
+        best = min(done, key=lambda t: sign * (t.value or 0.0))
+        assert best.value is not None
+        return TuneResult(best.params, best.value, best.name, trials)

@@ -1,0 +1,119 @@
+"""`kubellm run --local`: the compiled pipeline YAML on this machine, with kfp.local.
+
+Two processes. The child runs the YAML (not the Python DSL) with kfp.local's
+SubprocessRunner; everything it prints (executor inputs and outputs, every job's log,
+tracebacks) goes to a log file under runs/logs/. The parent shows a person what matters:
+one line as each stage starts and ends (name, seconds, key figure), the progress of long
+steps (training steps, trials), the summary, and where the full log is.
+
+    kubellm run --local --set train_steps=200
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from kubellm.config import ConfigError, pipeline_config
+
+# What reaches the terminal: our stage lines, training progress, trial results, and
+# kfp.local's word on a task that failed. Everything else stays in the log file.
+_SHOWN = re.compile(
+    r"^(kubellm: "
+    r"|\[[\w.-]+\] train: \d+/\d+ steps"
+    r"|\[[\w.-]+\] trial \d+"
+    r"|.*finished with status FAILURE)"
+)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def shown(line: str) -> str | None:
+    """The line as the terminal shows it, or None when it belongs in the log file only."""
+    text = _ANSI.sub("", line).strip()
+    return text if _SHOWN.match(text) else None
+
+
+def run_local(
+    pipeline_yaml: str | Path, overrides: dict[str, Any], out: TextIO = sys.stdout
+) -> int:
+    """Run the compiled YAML locally; returns an exit code (0: the pipeline succeeded)."""
+    if overrides.get("platform", "local") != "local":
+        raise ConfigError(
+            f"invalid platform={overrides['platform']!r}: `run --local` runs platform 'local'; "
+            "use `kubellm submit` for a cluster"
+        )
+    cfg = pipeline_config(overrides, platform="local")  # every value checked before any stage
+    path = Path(pipeline_yaml)
+    if not path.is_file():
+        raise ConfigError(f"pipeline {pipeline_yaml} not found (run `kubellm compile`)")
+    runs = Path(cfg.runs_dir).resolve()
+    root = runs / "kfp"
+    root.mkdir(parents=True, exist_ok=True)
+    logs = runs / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    # typed as the pipeline declares them (an int given for a float parameter is a float)
+    arguments = {k: getattr(cfg, k) for k in overrides}
+    arguments.update(platform="local", runs_dir=str(runs))
+    print(f"kubellm: running {path} locally; full log: {log_path}", file=out, flush=True)
+    before = set(root.iterdir())
+    started = time.monotonic()
+    cmd = [sys.executable, "-m", "kubellm.local_run", str(path), str(root), json.dumps(arguments)]
+    # component subprocesses run `python3 ...`: make it this environment's python
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            text = shown(line)
+            if text is not None:
+                print(f"  {text}", file=out, flush=True)
+        proc.wait()
+    elapsed = time.monotonic() - started
+    summary = _find_summary(sorted(set(root.iterdir()) - before))
+    ok = summary is not None and _succeeded(summary)
+    print("\n" + "=" * 78, file=out)
+    print(summary.read_text() if summary else "No summary was written.", file=out)
+    print(f"kubellm: pipeline {'succeeded' if ok else 'FAILED'} in {elapsed:.0f}s", file=out)
+    print(f"kubellm: full log: {log_path}", file=out, flush=True)
+    return 0 if ok else 1
+
+
+def _find_summary(run_dirs: list[Path]) -> Path | None:
+    for run_dir in reversed(run_dirs):
+        for report in run_dir.glob("summarize*/report"):
+            return report
+    return None
+
+
+def _succeeded(summary: Path) -> bool:
+    text = summary.read_text()
+    return bool(text) and text.splitlines()[0].endswith(": SUCCEEDED")
+
+
+def _execute(pipeline_yaml: str, root: str, arguments: dict[str, Any]) -> None:
+    """The child: kfp.local runs the compiled YAML (its output goes to the log file)."""
+    import warnings
+
+    from kfp import local
+    from kfp.components import load_component_from_file
+
+    warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+    pipeline = load_component_from_file(pipeline_yaml)
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False), pipeline_root=root, raise_on_error=False
+    )
+    pipeline(**arguments)
+
+
+if __name__ == "__main__":
+    _execute(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))

@@ -1,0 +1,147 @@
+"""What every pipeline stage starts from and gives back.
+
+Components pass three strings (the config preflight validated, the parent MLflow run, the
+KFP run id); `StageContext.load` turns them back into objects. Each stage returns a
+`StageResult`: its KFP metrics, its Markdown report and a one-line headline, so a
+component body only calls the stage and hands the result to its output artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from kubellm.backends import Backends, select
+from kubellm.backends.base import TrainJob, dns_name
+from kubellm.config import PipelineConfig, TrainConfig
+from kubellm.tracking import Tracker
+
+_R = TypeVar("_R", bound="StageResult")
+
+
+class MetricsSink(Protocol):
+    """What a KFP `Output[Metrics]` offers."""
+
+    def log_metric(self, metric: str, value: float) -> None: ...
+
+
+class ReportFile(Protocol):
+    """What a KFP `Output[Markdown]` or `Output[HTML]` offers."""
+
+    @property
+    def path(self) -> str: ...
+
+
+@dataclass
+class StageResult:
+    """What every stage returns: metrics (KFP Metrics and MLflow), a Markdown report, and a
+    headline: the one line a person sees when the stage ends."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    report: str = ""
+    headline: str = ""
+
+    def write_outputs(
+        self, metrics: MetricsSink | None = None, report: ReportFile | None = None
+    ) -> None:
+        """Hand the result to a component's output artifacts."""
+        if metrics is not None:
+            for name, value in self.metrics.items():
+                metrics.log_metric(name, float(value))
+        if report is not None:
+            Path(report.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(report.path).write_text(self.report)
+
+
+def open_tracker(cfg: PipelineConfig, kfp_run_id: str) -> Tracker:
+    """The MLflow store of a pipeline run (fails here when the tracking server is down)."""
+    tracking = select(cfg, kfp_run_id).tracking
+    return Tracker.open(
+        cfg.mlflow_tracking_uri, cfg.experiment_name, kfp_run_id, tracking.artifact_location
+    )
+
+
+@dataclass(frozen=True)
+class StageContext:
+    cfg: PipelineConfig
+    tracker: Tracker
+    parent_run_id: str
+    kfp_run_id: str
+    backends: Backends = field(init=False, repr=False, compare=False)
+    _started: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backends", select(self.cfg, self.kfp_run_id))
+
+    @classmethod
+    def load(cls, config_json: str, parent_run_id: str, kfp_run_id: str) -> StageContext:
+        cfg = PipelineConfig.model_validate_json(config_json)
+        return cls(cfg, open_tracker(cfg, kfp_run_id), parent_run_id, kfp_run_id)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[str]:
+        """The stage's MLflow child run: FAILED with the reason when the body raises."""
+        print(f"kubellm: {name} started", flush=True)
+        self._started[name] = time.monotonic()
+        with self.tracker.stage(self.parent_run_id, name) as run_id:
+            yield run_id
+
+    def finish(self, name: str, result: _R) -> _R:
+        """Print the line a person sees when the stage ends (`kubellm run` shows it)."""
+        seconds = time.monotonic() - self._started.get(name, time.monotonic())
+        shown = f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
+        print(f"kubellm: {name} done in {shown}s: {result.headline}", flush=True)
+        return result
+
+    def stage_runs(self) -> dict[str, Any]:
+        """The latest child run of each stage so far, by stage name (for lineage)."""
+        out: dict[str, Any] = {}
+        for run in self.tracker.children(self.parent_run_id):
+            out[run.data.tags.get("kubellm.stage", run.info.run_name)] = run
+        return out
+
+    def job_name(self, name: str) -> str:
+        return dns_name(self.cfg.model_name, name, self.kfp_run_id[:12])
+
+    def train_job(self, name: str, train_cfg: TrainConfig) -> TrainJob:
+        """A TrainJob for this pipeline's topology, its config written where jobs read it."""
+        path = self.backends.workspace.dir("config") / f"{name}.json"
+        path.write_text(train_cfg.model_dump_json(indent=2))
+        cfg = self.cfg
+        return TrainJob(
+            name=self.job_name(name),
+            train_args=["--config", str(path)],
+            nnodes=cfg.num_nodes,
+            nproc_per_node=cfg.nproc_per_node,
+            timeout_s=cfg.job_timeout_minutes * 60.0,
+            image=cfg.trainer_image,
+            namespace=cfg.namespace,
+            env={"MLFLOW_TRACKING_URI": cfg.mlflow_tracking_uri},
+            workspace_pvc=self.backends.workspace.pvc_name,
+        )
+
+
+def write_json(path: str | Path, value: Any) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(value, indent=2, sort_keys=True))
+
+
+def markdown_table(title: str, rows: list[tuple[str, Any]], intro: str = "") -> str:
+    """A stage report: a heading, an optional sentence, a two-column table."""
+    lines = [f"# {title}", ""]
+    if intro:
+        lines += [intro, ""]
+    lines += ["| | |", "|---|---|", *(f"| {k} | {fmt(v)} |" for k, v in rows)]
+    return "\n".join(lines) + "\n"
+
+
+def fmt(value: Any) -> str:
+    """A figure as people read it: integers without `.0`, other floats to 4 digits."""
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,70 @@
+"""The preflight stage: validate every parameter, open the lineage, check the fabric."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kubellm import backends
+from kubellm.backends.base import TrainJob, dns_name
+from kubellm.config import PipelineConfig, pipeline_config
+from kubellm.stages.context import StageContext, StageResult, markdown_table, open_tracker
+
+
+@dataclass
+class Result(StageResult):
+    config: str = ""  # the resolved PipelineConfig as JSON: every later stage's input
+    parent_run_id: str = ""
+
+
+def fabric_job(cfg: PipelineConfig, kfp_run_id: str, pvc: str | None) -> TrainJob:
+    """The all-reduce check, with the training topology, on the training launcher."""
+    return TrainJob(
+        name=dns_name(cfg.model_name, "fabric", kfp_run_id[:12]),
+        module="kubellm.train.fabric",
+        train_args=["--mib", "4"],
+        nnodes=cfg.num_nodes,
+        nproc_per_node=cfg.nproc_per_node,
+        timeout_s=600.0,
+        image=cfg.trainer_image,
+        namespace=cfg.namespace,
+        workspace_pvc=pvc,
+    )
+
+
+def run(params: dict[str, Any], kfp_run_id: str) -> Result:
+    """Validate `params` (the pipeline's parameters), start the parent MLflow run every
+    stage logs under, and measure the fabric the training jobs will use."""
+    cfg = backends.resolve(pipeline_config(params))
+    tracker = open_tracker(cfg, kfp_run_id)
+    parent = tracker.start_parent(f"{cfg.model_name}-{kfp_run_id}", cfg.model_dump())
+    ctx = StageContext(cfg, tracker, parent, kfp_run_id)
+    with ctx.stage("preflight") as run_id:
+        ws = ctx.backends.workspace
+        job = ctx.backends.trainer.run(fabric_job(cfg, kfp_run_id, ws.pvc_name))
+        metrics = {k: v for k, v in job.metrics.items() if k.startswith("allreduce")}
+        tracker.log(
+            run_id,
+            metrics=metrics,
+            params={"platform": cfg.platform, "mlflow_tracking_uri": cfg.mlflow_tracking_uri},
+        )
+    busbw = metrics.get("allreduce_busbw_gbps", 0.0)
+    return ctx.finish(
+        "preflight",
+        Result(
+            metrics=metrics,
+            report=markdown_table(
+                "Preflight",
+                [
+                    ("platform", cfg.platform),
+                    ("MLflow", cfg.mlflow_tracking_uri),
+                    ("parent run", parent),
+                    ("processes", f"{cfg.num_nodes} x {cfg.nproc_per_node}"),
+                    ("all-reduce busbw (GB/s)", busbw),
+                ],
+            ),
+            headline=f"config valid; all-reduce {busbw:.3g} GB/s; MLflow parent run {parent}",
+            config=cfg.model_dump_json(),
+            parent_run_id=parent,
+        ),
+    )

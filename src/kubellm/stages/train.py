@@ -1,0 +1,61 @@
+"""The train stage: one training job with the tuned hyperparameters; the model comes back."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubellm.stages.configs import train_config
+from kubellm.stages.context import StageContext, StageResult, markdown_table
+
+REPORTED = ("train_loss", "eval_loss", "perplexity", "tokens_per_sec")
+
+
+@dataclass
+class Result(StageResult):
+    job: str = ""
+    # KFP Model artifact metadata: what the directory holds
+    model_metadata: dict[str, str] = field(
+        default_factory=lambda: {"framework": "transformers", "format": "safetensors"}
+    )
+
+
+def run(ctx: StageContext, dataset_dir: str | Path, hparams_json: str, model_dir: str) -> Result:
+    cfg = ctx.cfg
+    hparams = json.loads(hparams_json or "{}")
+    with ctx.stage("train") as run_id:
+        ws = ctx.backends.workspace
+        data = ws.share(dataset_dir, "dataset")
+        out = ws.dir("model")
+        train_cfg = train_config(
+            cfg,
+            data,
+            out,
+            steps=cfg.train_steps,
+            log_every=max(1, cfg.train_steps // 10),
+            # A retried step or a restarted PyTorchJob pod resumes from the newest checkpoint.
+            checkpoint_dir=str(ws.dir("checkpoints", "train")),
+            checkpoint_every=max(1, cfg.train_steps // 5),
+            mlflow_run_id=run_id,
+        ).with_values(hparams)
+        ctx.tracker.log(run_id, params={**train_cfg.model_dump(exclude={"model"}), **hparams})
+        job = ctx.train_job("train", train_cfg)
+        result = ctx.backends.trainer.run(job)
+        ws.collect(out, model_dir)
+        metrics = {k: result.metrics[k] for k in REPORTED if k in result.metrics}
+        ctx.tracker.log(run_id, tags={"kubellm.job": job.name})
+    shown = ", ".join(f"{k} {metrics[k]:.4g}" for k in ("train_loss", "eval_loss") if k in metrics)
+    return ctx.finish(
+        "train",
+        Result(
+            metrics=metrics,
+            report=markdown_table(
+                "Training",
+                [("job", job.name), ("steps", train_cfg.steps), *metrics.items()],
+                f"Hyperparameters: `{json.dumps(hparams, sort_keys=True)}`",
+            ),
+            headline=f"{train_cfg.steps} steps; {shown}",
+            job=job.name,
+        ),
+    )

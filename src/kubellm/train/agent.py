@@ -1,0 +1,76 @@
+"""`python -m kubellm.train.agent`: the per-node agent process (torchrun) that starts,
+watches and restarts the worker processes (`python -m kubellm.train`), with exit codes a
+PyTorchJob can act on.
+
+It is the main process of every training pod and of the local trainer's child process.
+Same arguments as torchrun (it is torchrun, run in this process). Three things differ:
+
+- SIGUSR1 is handled like SIGTERM: torchrun forwards it to the workers, which checkpoint
+  and exit (Slurm sends SIGUSR1 ahead of the time limit).
+- Workers do not share the rendezvous TCPStore (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): with
+  a shared store a restarted group (`--max-restarts`) can read the previous attempt's
+  addresses and fail to connect (pytorch/pytorch#135712; seen here with gloo).
+- The exit code says what happened, so `restartPolicy: ExitCode` retries pre-emption and
+  does not loop on a real error (plain torchrun exits 1 for every failure):
+
+    0                     training finished
+    2                     bad config or data (the first worker to fail exited 2): not retried
+    200 (EXIT_PREEMPTED)  a worker checkpointed on SIGTERM / SIGUSR1, or this launcher was
+                          told to stop (SIGTERM / SIGUSR1): retried, resumes the checkpoint
+    1                     anything else (a crash): not retried
+
+Usage (what the PyTorchJob's pods and the local trainer run):
+
+    python -m kubellm.train.agent --standalone --nproc_per_node=2 -m kubellm.train ARGS
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from kubellm.train.preempt import EXIT_PREEMPTED
+
+_HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def exit_code(failure_codes: list[int], first: int) -> int:
+    """The launcher's exit code from the failed workers' codes and the first one to fail.
+
+    The first failure is the cause; the others are usually workers torchrun stopped after it.
+    """
+    if EXIT_PREEMPTED in failure_codes:
+        return EXIT_PREEMPTED
+    return 2 if first == 2 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", _HANDLED)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    try:
+        torchrun.main(argv if argv is not None else sys.argv[1:])
+    except SignalException as err:
+        if err.sigval in (signal.SIGTERM, signal.SIGUSR1):
+            print(
+                f"launch: {err.sigval.name}: workers were asked to checkpoint and stop; "
+                f"exiting with {EXIT_PREEMPTED} (retryable)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_PREEMPTED
+        return 128 + int(err.sigval)
+    except ChildFailedError as err:
+        _, first = err.get_first_failure()
+        code = exit_code([f.exitcode for f in err.failures.values()], first.exitcode)
+        print(f"launch: workers failed; exiting with {code}", file=sys.stderr, flush=True)
+        return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""stages.preflight: validation before anything starts, the parent run, the fabric check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from kubellm.config import ConfigError, PipelineConfig
+from kubellm.stages import preflight
+from stages.conftest import RUN, TINY, Chain
+
+
+def test_result_carries_the_resolved_config_and_the_parent_run(chain: Chain) -> None:
+    result = chain.results["preflight"]
+    cfg = PipelineConfig.model_validate_json(result.config)
+    assert Path(cfg.runs_dir).is_absolute()
+    assert cfg.mlflow_tracking_uri == f"sqlite:///{cfg.runs_dir}/mlflow.db"
+    parent = MlflowClient(cfg.mlflow_tracking_uri).get_run(result.parent_run_id)
+    assert parent.data.tags["kubellm.stage"] == "pipeline"
+    assert parent.data.tags["kubellm.kfp_run_id"] == RUN
+    # the fabric check ran under torchrun with the training topology (1 process here)
+    assert result.metrics["allreduce_ms"] > 0
+    assert result.metrics["allreduce_busbw_gbps"] == 0.0  # one rank moves no bytes
+    assert result.parent_run_id in result.headline
+    assert "| processes | 1 x 1 |" in result.report
+
+
+def test_invalid_parameter_fails_naming_it_before_any_run(tmp_path: Path) -> None:
+    params = {**TINY, "runs_dir": str(tmp_path / "runs"), "batch_size": 7, "nproc_per_node": 2}
+    with pytest.raises(ConfigError, match=r"batch_size \(7\) must be divisible"):
+        preflight.run(params, "bad-run")
+    assert not (tmp_path / "runs").exists(), "a tracking store was created for an invalid config"
