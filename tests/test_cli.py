@@ -74,3 +74,24 @@ def test_prepare_bad_source_is_one_line(tmp_path, capsys) -> None:
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "matches no file" in err[0]
+
+
+def test_train_on_a_bad_dataset_is_one_line_with_the_cause(tmp_path: Path) -> None:
+    """The workers' tracebacks go to the log file; the person gets the cause and its path."""
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "manifest.json").write_text("{}")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubellm.cli", "train", "--dataset", str(tmp_path / "ds")]
+        + ["--output", str(tmp_path / "model"), "--nproc", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1, proc.stderr
+    assert "invalid dataset_dir=" in err[0] and "tokenizer/ is missing" in err[0]
+    log = tmp_path / "model.train.log"
+    assert f"(full log: {log})" in err[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "invalid dataset_dir=" in log.read_text()

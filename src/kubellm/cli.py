@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except JobFailed as err:  # the job's own output is in its log file
         print(f"kubellm: error: {err}", file=sys.stderr)
-        return 1
+        return 2 if err.exit_code == 2 else 1
     return 2
 
 

@@ -21,6 +21,10 @@ TAG_KFP_RUN = "kubellm.kfp_run_id"
 TAG_STAGE = "kubellm.stage"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_NAME = "mlflow.runName"
+TAG_FINGERPRINT = "kubellm.data_fingerprint"
+# Registry aliases: a new version is the challenger until the smoke test makes it champion.
+CHALLENGER = "challenger"
+CHAMPION = "champion"
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ Small model and data so the suite stays quick; the full-size run is `make run`.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -42,6 +44,36 @@ STAGES = {
 }
 
 
+# Half of these questions have a learnable answer (`abc?` -> `yes`), half a random one
+# (`abc!` -> three random letters): the model's held-out exact match tops out near 0.5 by
+# construction. With SMALL's model, 120 training steps reach 0.4-0.5 (measured 0.47 at 100
+# steps by hand), so the default gate (0.2) promotes and 0.9 rejects: the gate is exercised
+# where a real decision lies, not only at 0 and 1.
+HALF_LEARNABLE_STEPS = 120
+REJECT_ABOVE = 0.9
+
+
+@pytest.fixture(scope="module")
+def half_learnable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    path = tmp_path_factory.mktemp("data") / "half.jsonl"
+    with path.open("w") as fh:
+        for i in range(3000):
+            word = "".join(rng.choice(letters) for _ in range(3))
+            if i % 2 == 0:
+                prompt, completion = f"{word}?", "yes"
+            else:
+                prompt, completion = f"{word}!", "".join(rng.choice(letters) for _ in range(3))
+            fh.write(
+                json.dumps(
+                    {"text": prompt + completion, "prompt": prompt, "completion": completion}
+                )
+                + "\n"
+            )
+    return path
+
+
 def _copy_yaml(tmp: Path, name: str) -> Path:
     """The committed YAML under another pipeline name: the run's folder proves what ran."""
     docs = list(yaml.safe_load_all((REPO / "pipelines" / "llm_train.yaml").read_text()))
@@ -74,10 +106,13 @@ def _children(client: MlflowClient, parent: Any) -> dict[str, Any]:
     return {r.data.tags["kubellm.stage"]: r for r in runs}
 
 
-def test_full_pipeline_serves_and_records_lineage(tmp_path: Path) -> None:
-    # SMALL's 40-step model reaches exact match 0.000 (measured), below the default gate
-    # (0.2): only a gate at 0 lets it through; test_gate_rejects_... runs the default gate.
-    proc = _run(tmp_path, _copy_yaml(tmp_path, "e2e-copy"), gate_min_accuracy=0)
+def test_full_pipeline_serves_and_records_lineage(tmp_path: Path, half_learnable: Path) -> None:
+    proc = _run(
+        tmp_path,
+        _copy_yaml(tmp_path, "e2e-copy"),
+        data_source=half_learnable,
+        train_steps=HALF_LEARNABLE_STEPS,
+    )  # the default gate, 0.2
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
     summary = out[out.rindex("=" * 78) :]
@@ -93,9 +128,25 @@ def test_full_pipeline_serves_and_records_lineage(tmp_path: Path) -> None:
         "mlflow ui --backend-store-uri sqlite:///",
     ):
         assert row in summary, row
-    assert re.search(
-        r"gate \| promote \(exact_match \d\.\d+ >= gate_min_accuracy 0\.000\)", summary
+    gate = re.search(
+        r"gate \| promote \(exact_match (\d\.\d+) >= gate_min_accuracy 0\.200\)", summary
     )
+    assert gate, summary
+    assert 0.2 <= float(gate.group(1)) < REJECT_ABOVE
+
+    # what a person sees: a line per stage start and end, progress, the summary; the
+    # executor's JSON and the jobs' full logs are in the log file whose path is printed
+    before = out[: out.rindex("=" * 78)].splitlines()
+    assert len(before) < 60, "\n".join(before)
+    for stage in STAGES:
+        assert f"kubellm: {stage} started" in out, stage
+        assert re.search(rf"kubellm: {stage} done in [\d.]+s: \S", out), stage
+    assert re.search(r"train: \d+/120 steps", out) and re.search(r"\] trial 1: ", out)
+    assert "KFP Executor" not in out and "Traceback" not in out
+    log = Path(re.findall(r"full log: (\S+)", out)[-1])
+    assert log.parent == tmp_path / "runs" / "logs"
+    assert "KFP Executor" in log.read_text()
+
     # the committed YAML (renamed copy) is what kfp.local ran
     assert list((tmp_path / "runs" / "kfp").glob("e2e-copy-*"))
 
@@ -126,21 +177,22 @@ def test_full_pipeline_serves_and_records_lineage(tmp_path: Path) -> None:
     assert state_logs and "serving kubellm-tiny" in state_logs[0].read_text()
 
 
-def test_gate_rejects_and_nothing_is_registered(tmp_path: Path) -> None:
+def test_gate_rejects_and_nothing_is_registered(tmp_path: Path, half_learnable: Path) -> None:
     proc = _run(
         tmp_path,
         REPO / "pipelines" / "llm_train.yaml",
+        data_source=half_learnable,
         tune_trials=0,
-        train_steps=4,
-        # no gate override: the default (0.2) is above what this 4-step model reaches (0.000
-        # measured), the realistic reason a run is rejected
+        train_steps=HALF_LEARNABLE_STEPS,
+        gate_min_accuracy=REJECT_ABOVE,  # above what this model reaches (near 0.5 at most)
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     gate = re.search(
-        r"gate \| reject \(exact_match (\d\.\d+) < gate_min_accuracy 0\.200\)", proc.stdout
+        r"gate \| reject \(exact_match (\d\.\d+) < gate_min_accuracy 0\.900\)", proc.stdout
     )
     assert gate, proc.stdout[-3000:]
-    assert float(gate.group(1)) < 0.2
+    # a model the default gate would have promoted: the rejection is the threshold's doing
+    assert 0.2 <= float(gate.group(1)) < REJECT_ABOVE
     client = _client(tmp_path)
     assert client.search_registered_models() == []
     [parent] = client.search_runs(

@@ -24,7 +24,12 @@ WORKSPACE_MOUNT = "/workspace"
 
 
 class JobFailed(RuntimeError):
-    """A job reached a failed terminal state; the message carries its reason."""
+    """A job reached a failed terminal state; the message carries its reason, `exit_code`
+    the job's own (2: bad config or data) where the launcher knows it."""
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 class JobTimeout(JobFailed):

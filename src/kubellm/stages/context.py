@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 from kubellm.backends import Backends, select
 from kubellm.backends.base import TrainJob, dns_name
 from kubellm.config import PipelineConfig, TrainConfig
-from kubellm.tracking import Tracker
+from kubellm.tracking import TAG_STAGE, Tracker
 
 _R = TypeVar("_R", bound="StageResult")
 
@@ -102,7 +102,7 @@ class StageContext:
         """The latest child run of each stage so far, by stage name (for lineage)."""
         out: dict[str, Any] = {}
         for run in self.tracker.children(self.parent_run_id):
-            out[run.data.tags.get("kubellm.stage", run.info.run_name)] = run
+            out[run.data.tags.get(TAG_STAGE, run.info.run_name)] = run
         return out
 
     def job_name(self, name: str) -> str:

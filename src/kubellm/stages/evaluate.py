@@ -9,6 +9,7 @@ from mlflow.exceptions import MlflowException
 
 from kubellm.evaluate.metrics import evaluate
 from kubellm.stages.context import StageContext, StageResult, markdown_table, write_json
+from kubellm.tracking import CHAMPION
 
 PROMOTE = "promote"
 REJECT = "reject"
@@ -23,7 +24,7 @@ class Result(StageResult):
 def champion_metric(ctx: StageContext, name: str) -> float | None:
     """The current champion's value of `name` (from its version tags), if there is one."""
     try:
-        mv = ctx.tracker.client.get_model_version_by_alias(ctx.cfg.model_name, "champion")
+        mv = ctx.tracker.client.get_model_version_by_alias(ctx.cfg.model_name, CHAMPION)
     except MlflowException:
         return None
     value = (mv.tags or {}).get(name)

@@ -9,6 +9,7 @@ from typing import Any
 from kubellm.data.prepare import prepare
 from kubellm.stages.configs import prepare_params
 from kubellm.stages.context import StageContext, StageResult, markdown_table
+from kubellm.tracking import TAG_FINGERPRINT
 
 
 @dataclass
@@ -38,7 +39,7 @@ def run(ctx: StageContext, out_dir: str | Path) -> Result:
             run_id,
             metrics=metrics,
             params=vars(params),
-            tags={"kubellm.data_fingerprint": manifest["source_fingerprint"]},
+            tags={TAG_FINGERPRINT: manifest["source_fingerprint"]},
         )
     dropped = [(f"dropped: {k}", v) for k, v in sorted(rec["dropped"].items())]
     return ctx.finish(

@@ -8,7 +8,7 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 
 from kubellm.stages.context import StageContext, StageResult, markdown_table
-from kubellm.tracking import TAG_KFP_RUN
+from kubellm.tracking import CHALLENGER, TAG_FINGERPRINT, TAG_KFP_RUN
 
 
 @dataclass
@@ -26,9 +26,7 @@ def lineage_tags(ctx: StageContext) -> dict[str, str]:
         "kubellm.serving_image": ctx.cfg.serving_image,
     }
     if "prepare_data" in runs:
-        tags["kubellm.data_fingerprint"] = runs["prepare_data"].data.tags.get(
-            "kubellm.data_fingerprint", ""
-        )
+        tags[TAG_FINGERPRINT] = runs["prepare_data"].data.tags.get(TAG_FINGERPRINT, "")
     if "train" in runs:
         tags["kubellm.training_run"] = runs["train"].info.run_id
     if "tune" in runs:
@@ -55,7 +53,7 @@ def run(ctx: StageContext, model_dir: str | Path) -> Result:
         source = f"{client.get_run(run_id).info.artifact_uri}/model"
         tags = lineage_tags(ctx)
         mv = client.create_model_version(name, source, run_id=run_id, tags=tags)
-        client.set_registered_model_alias(name, "challenger", mv.version)
+        client.set_registered_model_alias(name, CHALLENGER, mv.version)
         ctx.tracker.log(run_id, tags={"kubellm.model_version": mv.version, **tags})
     version = str(mv.version)
     return ctx.finish(

@@ -9,6 +9,7 @@ from pathlib import Path
 from kubellm.backends.base import JobFailed
 from kubellm.serve.client import Endpoint, ask
 from kubellm.stages.context import StageContext, StageResult
+from kubellm.tracking import CHAMPION
 
 SMOKE_PROMPTS = 8
 MIN_AGREEMENT = 0.9
@@ -62,7 +63,7 @@ def run(ctx: StageContext, endpoint_url: str, predictions_path: str | Path, vers
                 f"served answers match the evaluated model on {agree}/{len(expected)} prompts "
                 f"(< {MIN_AGREEMENT:.0%}); rolled back {cfg.model_name}"
             )
-        ctx.tracker.client.set_registered_model_alias(cfg.model_name, "champion", version)
+        ctx.tracker.client.set_registered_model_alias(cfg.model_name, CHAMPION, version)
     result.report = (
         f"# Smoke test\n\n`{result.prompt}` -> `{result.answer}` (expected `{result.expected}`); "
         f"served = evaluated on {result.agreement:.0%} of prompts; version {version} is champion\n"

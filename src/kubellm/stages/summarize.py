@@ -12,7 +12,7 @@ from typing import Any
 from kubellm import backends
 from kubellm.config import pipeline_config
 from kubellm.stages.context import StageResult, fmt, open_tracker
-from kubellm.tracking import Tracker
+from kubellm.tracking import TAG_FINGERPRINT, TAG_STAGE, Tracker
 
 
 @dataclass
@@ -27,7 +27,7 @@ def build_summary(
     if parent is None:
         lines.append("No MLflow parent run was found (preflight did not get that far).")
         return "\n".join(lines) + "\n"
-    runs = {r.data.tags.get("kubellm.stage"): r for r in tracker.children(parent)}
+    runs = {r.data.tags.get(TAG_STAGE): r for r in tracker.children(parent)}
 
     def metric(stage: str, key: str) -> Any:
         run = runs.get(stage)
@@ -52,7 +52,7 @@ def build_summary(
             f"{fmt(metric('prepare_data', 'tokens_train'))} / "
             f"{fmt(metric('prepare_data', 'tokens_val'))}",
         ),
-        ("data fingerprint", tag("prepare_data", "kubellm.data_fingerprint")[:16]),
+        ("data fingerprint", tag("prepare_data", TAG_FINGERPRINT)[:16]),
         ("fabric all-reduce busbw (GB/s)", fmt(metric("preflight", "allreduce_busbw_gbps"))),
         (
             "best trial",

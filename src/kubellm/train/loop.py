@@ -82,6 +82,8 @@ def check(cfg: TrainConfig, world_size: int, local_rank: int = 0) -> Plan:
     micro = cfg.micro_batch(world_size)
     try:
         manifest = load_manifest(cfg.dataset_dir)
+        if not tokenizer_dir(cfg.dataset_dir).is_dir():
+            raise DataError(f"{tokenizer_dir(cfg.dataset_dir).name}/ is missing")
         tokenizer = load_tokenizer(tokenizer_dir(cfg.dataset_dir))
     except (DataError, OSError, ValueError) as err:
         raise ConfigError(f"invalid dataset_dir={cfg.dataset_dir!r}: {err}") from None

@@ -90,7 +90,9 @@ class TorchrunTrainer(Trainer):
         if proc.returncode != 0:
             reason = _reason(lines)
             where = f" (full log: {self.log_path})" if self.log_path else ""
-            raise JobFailed(f"{job.name}: exit code {proc.returncode}: {reason}{where}")
+            raise JobFailed(
+                f"{job.name}: exit code {proc.returncode}: {reason}{where}", proc.returncode
+            )
         return JobResult(name=job.name, logs=logs, metrics=parse_metrics(logs))
 
 
