@@ -52,7 +52,7 @@ compile: $(STAMP) ## Recompile pipelines/*.yaml from pipelines/*.py
 bench: bench-prepare bench-train ## All benchmarks -> docs/benchmarks-*.md; ARGS (e.g. --check) go to each
 
 .PHONY: bench-prepare
-bench-prepare: $(STAMP) ## prepare_data vs encode_batch and datasets.map; memory 10x vs 1x
+bench-prepare: $(STAMP) ## prepare_data vs the fastest tokenizer call and datasets.map, clean and messy corpora; memory 10x vs 1x
 	$(BIN)/python -m bench.prepare_bench --size-mb 20 --scale 10 --repeats 3 --out docs/benchmarks-prepare.md $(ARGS)
 
 .PHONY: bench-train

@@ -1,22 +1,29 @@
-"""Benchmark of prepare_data (issue 3): throughput against two references, and peak memory.
+"""Benchmark of prepare_data (issues 3 and 8): throughput against two references, and memory.
 
-On one generated corpus, in one run, interleaved, best of `--repeats`:
+On each corpus (`--corpus clean|messy|both`, default both), in one run, interleaved, best of
+`--repeats`:
 
 1. prepare_data end to end (JSONL -> clean -> dedup -> tokenize -> pack -> Parquet) against
-   the fast tokenizer's own `encode_batch` over the kept texts, already in memory (the floor);
-   target: ours >= 0.85 x floor.
+   the floor: the fastest tokenizer call over the kept texts, already in memory. The fast
+   tokenizer has two batch calls, `encode_batch` and `encode_batch_fast` (the same ids
+   without character offsets); both are timed, a check run compares their ids, and the
+   floor is the faster of those that give `encode_batch`'s ids. Target: ours >= 0.85 x floor.
 2. prepare_data against a `datasets` peer: `load_dataset("json")`, `.map(batched=True)` with
    the same tokenizer as a PreTrainedTokenizerFast, the same concatenate-with-EOS-and-chunk
    packing (numpy), Parquet out, timed from the JSONL file; target: ours >= 1.3 x peer.
 3. Peak memory (VmHWM) of a fresh process running prepare on `--scale` x the input against
    1 x; target: <= 1.25.
 
-All three use one byte-level BPE (vocab 8192) trained once on a sample of the corpus and
-cached, so tokenizer training is not what is measured. Throughput is reported as reference
-tokens per second: the number of token ids encode_batch produces for the kept documents,
-divided by each contender's wall time, so the ratios are ratios of times on identical work.
+The corpora (bench/corpus.py): "clean" is English-like text that is already normalized;
+"messy" is long, irregularly formatted documents (docstring- and README-like: indentation,
+tabs, CRLF, mixed Unicode forms, control characters, filtered and near-identical documents),
+so prepare's normalization and filters do real work. Each corpus gets its own byte-level BPE
+(vocab 8192) trained once on a sample of it and cached, so tokenizer training is not what is
+measured. Throughput is reported as reference tokens per second: the number of token ids
+encode_batch produces for the kept documents, divided by each contender's wall time, so the
+ratios are ratios of times on identical work.
 
-    python -m bench.prepare_bench [--size-mb 20] [--scale 10] [--repeats 3] [--out PATH]
+    python -m bench.prepare_bench [--corpus both] [--size-mb 20] [--scale 10] [--repeats 3]
     python -m bench.prepare_bench --quick --out /tmp/bench.md      # the smoke test's size
 """
 
@@ -44,7 +51,7 @@ from typing import Any
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the peer reads local files only
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.corpus import MIB, Corpus, ensure_corpus, kept_texts
+from bench.corpus import KINDS, MIB, Corpus, ensure_corpus, kept_texts
 from bench.machine import machine_info as base_machine_info
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,8 +60,13 @@ SEQ_LEN = 1024
 SHARD_ROWS = 65_536
 TOKENIZER_SAMPLE_MIB = 4.0
 CHILD_TAG = "BENCH_CHILD "
-TARGET_FLOOR = 0.85  # ours / encode_batch, at least
+TARGET_FLOOR = 0.85  # ours / the fastest tokenizer call with encode_batch's ids, at least
 TARGET_PEER = 1.3  # ours / datasets.map + packing, at least
+# Issue 3 set the peer and memory targets on the clean corpus; on the messy one (issue 8
+# asks for the floor target there) both are reported for information: the peer does no
+# normalization or filtering, and its time is nearly all the tokenizer's, which both sides
+# share; the memory ratio is reported as measured.
+ISSUE3_TARGET_CORPORA = ("clean",)
 TARGET_MEMORY = 1.25  # peak RSS at scale x / at 1 x, at most
 
 
@@ -90,21 +102,43 @@ def run_prepare(source: Path, out_dir: Path, tokenizer_dir: Path) -> tuple[dict[
 # --- the references ------------------------------------------------------------------------
 
 
-def run_floor(tokenizer_dir: Path, texts: list[str], batch: int, fast: bool = False) -> int:
-    """encode_batch over texts already in memory; returns the number of token ids.
-
-    fast: encode_batch_fast (the same ids without offsets), reported for information only.
-    """
+def _tokenizer(tokenizer_dir: Path) -> Any:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     tok.no_padding()
     tok.no_truncation()
+    return tok
+
+
+def run_floor(tokenizer_dir: Path, texts: list[str], batch: int, fast: bool = False) -> int:
+    """encode_batch (fast: encode_batch_fast) over texts already in memory; the number of ids."""
+    tok = _tokenizer(tokenizer_dir)
     encode = tok.encode_batch_fast if fast else tok.encode_batch
     n = 0
     for i in range(0, len(texts), batch):
         n += sum(len(e) for e in encode(texts[i : i + batch], add_special_tokens=False))
     return n
+
+
+def check_ids(tokenizer_dir: Path, texts: list[str], batch: int) -> dict[str, Any]:
+    """Whether encode_batch_fast gives encode_batch's ids, document by document (untimed)."""
+    import hashlib
+
+    tok = _tokenizer(tokenizer_dir)
+    same, tokens, h = True, 0, hashlib.blake2b(digest_size=16)
+    for i in range(0, len(texts), batch):
+        chunk = texts[i : i + batch]
+        slow = tok.encode_batch(chunk, add_special_tokens=False)
+        fast = tok.encode_batch_fast(chunk, add_special_tokens=False)
+        for a, b in zip(slow, fast, strict=True):
+            ids = a.ids
+            same = same and ids == b.ids
+            tokens += len(ids)
+            h.update(
+                len(ids).to_bytes(4, "little") + b"".join(x.to_bytes(4, "little") for x in ids)
+            )
+    return {"same_ids": same, "tokens": tokens, "ids_blake2b": h.hexdigest()}
 
 
 def pack_numpy(values: Any, lengths: Any, eos: int, seq_len: int) -> Any:
@@ -234,36 +268,48 @@ def child_main(args: argparse.Namespace) -> int:
     """One run in this fresh process; prints its figures as one tagged JSON line.
 
     memory: prepare_data alone after importing kubellm (its peak RSS is the figure);
-    ours, floor, peer: one timed run after the imports (and, for the floor, the texts).
+    ours, floor, floor_fast, peer: one timed run after the imports (and, for the floors, the
+    texts); ids: the untimed check that encode_batch_fast gives encode_batch's ids.
     """
     tok_dir, out_dir = Path(args.tokenizer_dir), Path(args.out_dir)
     result: dict[str, Any] = {}
+    if args.child == "ids":
+        result = check_ids(tok_dir, kept_texts(Path(args.source)), args.floor_batch)
+        print(CHILD_TAG + json.dumps(result), flush=True)
+        return 0
     if args.child == "memory":
         import kubellm.data.prepare  # noqa: F401  (imports count in the baseline, not the run)
 
         result["baseline_kib"] = _proc_status_kib("VmRSS")
     else:
         warm_imports(tok_dir)
+    texts = kept_texts(Path(args.source)) if args.child in ("floor", "floor_fast") else []
+    t0, c0 = time.perf_counter(), _cpu_seconds()
     if args.child in ("memory", "ours"):
-        t0 = time.perf_counter()
         manifest, mode = _quiet(lambda: run_prepare(Path(args.source), out_dir, tok_dir))
-        seconds = time.perf_counter() - t0
         tokens = manifest["tokens"]["train"] + manifest["tokens"]["val"]
-        result.update(kept=manifest["records"]["kept"], tokenizer_mode=mode)
+        result.update(
+            kept=manifest["records"]["kept"],
+            dropped=manifest["records"]["dropped"],
+            tokenizer_mode=mode,
+        )
     elif args.child in ("floor", "floor_fast"):
-        texts = kept_texts(Path(args.source))
-        t0 = time.perf_counter()
         tokens = run_floor(tok_dir, texts, args.floor_batch, fast=args.child == "floor_fast")
-        seconds = time.perf_counter() - t0
     elif args.child == "peer":
-        t0 = time.perf_counter()
         tokens = _quiet(lambda: run_peer(Path(args.source), tok_dir, out_dir))
-        seconds = time.perf_counter() - t0
     else:
         raise SystemExit(f"unknown child {args.child!r}")
-    result.update(seconds=seconds, tokens=tokens, vmhwm_kib=_proc_status_kib("VmHWM"))
+    seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+    result.update(seconds=seconds, cpu_seconds=cpu, tokens=tokens)
+    result["vmhwm_kib"] = _proc_status_kib("VmHWM")
     print(CHILD_TAG + json.dumps(result), flush=True)
     return 0
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process, every thread, user and system."""
+    t = os.times()
+    return t.user + t.system
 
 
 def run_child(kind: str, source: Path, tokenizer_dir: Path, work: Path, floor_batch: int) -> Any:
@@ -289,6 +335,7 @@ def run_child(kind: str, source: Path, tokenizer_dir: Path, work: Path, floor_ba
 class Runs:
     name: str
     seconds: list[float] = dataclasses.field(default_factory=list)
+    cpu_seconds: list[float] = dataclasses.field(default_factory=list)
     tokens: int = 0  # the contender's own count (ours: the manifest's; peer: ids + EOS)
 
     @property
@@ -299,13 +346,40 @@ class Runs:
     def median(self) -> float:
         return statistics.median(self.seconds)
 
+    @property
+    def cores(self) -> float:
+        """CPU seconds over wall seconds, median over the runs: the cores kept busy."""
+        return statistics.median(c / s for c, s in zip(self.cpu_seconds, self.seconds, strict=True))
+
+
+@dataclasses.dataclass
+class Throughput:
+    ours: Runs
+    batch: Runs  # encode_batch
+    fast: Runs  # encode_batch_fast
+    peer: Runs
+    ids: dict[str, Any]  # check_ids: does encode_batch_fast give encode_batch's ids?
+    last_ours: dict[str, Any]
+
+    @property
+    def floor(self) -> Runs:
+        """The fastest tokenizer call that gives encode_batch's ids."""
+        if self.ids["same_ids"] and self.fast.best < self.batch.best:
+            return self.fast
+        return self.batch
+
 
 def measure_throughput(
-    corpus: Corpus, tokenizer_dir: Path, work: Path, repeats: int, floor_batch: int
-) -> dict[str, Any]:
-    floor, ours, peer = Runs("encode_batch"), Runs("prepare_data"), Runs("datasets.map")
-    fast = Runs("encode_batch_fast")  # for information: the ids without the offsets
-    runs = {"floor": floor, "ours": ours, "peer": peer, "floor_fast": fast}
+    corpus: Corpus, tokenizer_dir: Path, work: Path, repeats: int, floor_batch: int, label: str
+) -> Throughput:
+    ids = run_child("ids", corpus.kept_path, tokenizer_dir, work, floor_batch)
+    print(f"  {label}: encode_batch_fast gives encode_batch's ids: {ids['same_ids']}", flush=True)
+    runs = {
+        "ours": Runs("prepare_data"),
+        "floor": Runs("encode_batch"),
+        "peer": Runs("datasets.map"),
+        "floor_fast": Runs("encode_batch_fast"),
+    }
     last: dict[str, Any] = {}
     kinds = list(runs)
     for r in range(repeats):  # interleaved; the order rotates so no one always goes first
@@ -313,23 +387,16 @@ def measure_throughput(
             source = corpus.path if kind == "ours" else corpus.kept_path
             result = run_child(kind, source, tokenizer_dir, work, floor_batch)
             runs[kind].seconds.append(result["seconds"])
+            runs[kind].cpu_seconds.append(result["cpu_seconds"])
             runs[kind].tokens = result["tokens"]
             if kind == "ours":
                 last = result
         print(
-            f"  repeat {r + 1}/{repeats}: encode_batch {floor.seconds[-1]:.2f}s, "
-            f"prepare_data {ours.seconds[-1]:.2f}s, datasets.map {peer.seconds[-1]:.2f}s, "
-            f"encode_batch_fast {fast.seconds[-1]:.2f}s",
+            f"  {label} repeat {r + 1}/{repeats}: "
+            + ", ".join(f"{x.name} {x.seconds[-1]:.2f}s" for x in runs.values()),
             flush=True,
         )
-    return {
-        "floor": floor,
-        "ours": ours,
-        "peer": peer,
-        "floor_fast": fast,
-        "last_ours": last,
-        "mode": last["tokenizer_mode"],
-    }
+    return Throughput(runs["ours"], runs["floor"], runs["floor_fast"], runs["peer"], ids, last)
 
 
 def machine_info() -> dict[str, str]:
@@ -346,109 +413,157 @@ def _verdict(ok: bool) -> str:
     return "pass" if ok else "FAIL"
 
 
-def report(
-    args: argparse.Namespace,
-    small: Corpus,
-    big: Corpus,
-    tp: dict[str, Any],
-    mem1: dict[str, Any],
-    mem_n: dict[str, Any],
-    info: dict[str, str],
-    command: str,
-) -> tuple[str, str, dict[str, float]]:
-    """(the results table, the whole markdown report, the three ratios)."""
-    floor, ours, peer = tp["floor"], tp["ours"], tp["peer"]
-    ref = floor.tokens  # reference tokens: ids encode_batch gives the kept documents
+def _peer_target(kind: str) -> str:
+    return f"≥ {TARGET_PEER}" if kind in ISSUE3_TARGET_CORPORA else "none (information)"
+
+
+def _peer_verdict(kind: str, ratio: float) -> str:
+    return _verdict(ratio >= TARGET_PEER) if kind in ISSUE3_TARGET_CORPORA else "—"
+
+
+def _memory_target(kind: str) -> str:
+    return f"≤ {TARGET_MEMORY}" if kind in ISSUE3_TARGET_CORPORA else "none (information)"
+
+
+def _memory_verdict(kind: str, ratio: float) -> str:
+    return _verdict(ratio <= TARGET_MEMORY) if kind in ISSUE3_TARGET_CORPORA else "—"
+
+
+def _per_repeat(ours: Runs, ref: Runs) -> list[float]:
+    return [b / a for a, b in zip(ours.seconds, ref.seconds, strict=True)]
+
+
+def _list(xs: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
+@dataclasses.dataclass
+class Measured:
+    """One corpus's figures: throughput at 1x, peak memory at 1x and scale x."""
+
+    small: Corpus
+    big: Corpus
+    tp: Throughput
+    mem1: dict[str, Any]
+    mem_n: dict[str, Any]
+
+    def ratios(self) -> dict[str, float]:
+        tp = self.tp
+        return {
+            "floor": tp.floor.best / tp.ours.best,
+            "peer": tp.peer.best / tp.ours.best,
+            "memory": self.mem_n["vmhwm_kib"] / self.mem1["vmhwm_kib"],
+        }
+
+
+def corpus_section(args: argparse.Namespace, m: Measured) -> tuple[str, str]:
+    """(the results table, the markdown section) of one corpus."""
+    tp, small, big = m.tp, m.small, m.big
+    ours, floor, peer = tp.ours, tp.floor, tp.peer
+    ref = tp.batch.tokens  # reference tokens: ids encode_batch gives the kept documents
+    ratios = m.ratios()
+    s = args.scale
 
     def rate(runs: Runs) -> float:
         return ref / runs.best
 
-    r_floor = floor.best / ours.best
-    r_peer = peer.best / ours.best
-    peak1, peak_n = mem1["vmhwm_kib"] / 1024, mem_n["vmhwm_kib"] / 1024
-    r_mem = peak_n / peak1
-    s = args.scale
+    peak1, peak_n = m.mem1["vmhwm_kib"] / 1024, m.mem_n["vmhwm_kib"] / 1024
     table = "\n".join(
         [
             "| metric | ours | peer | ratio | target | result |",
             "|---|---:|---:|---:|---|---|",
-            f"| throughput vs `encode_batch` floor (tokens/s) | {_fmt(rate(ours))} "
-            f"| {_fmt(rate(floor))} | {r_floor:.2f} | ≥ {TARGET_FLOOR} "
-            f"| {_verdict(r_floor >= TARGET_FLOOR)} |",
+            f"| throughput vs tokenizer floor, `{floor.name}` (tokens/s) | {_fmt(rate(ours))} "
+            f"| {_fmt(rate(floor))} | {ratios['floor']:.2f} | ≥ {TARGET_FLOOR} "
+            f"| {_verdict(ratios['floor'] >= TARGET_FLOOR)} |",
             f"| throughput vs `datasets.map` + packing (tokens/s) | {_fmt(rate(ours))} "
-            f"| {_fmt(rate(peer))} | {r_peer:.2f} | ≥ {TARGET_PEER} "
-            f"| {_verdict(r_peer >= TARGET_PEER)} |",
+            f"| {_fmt(rate(peer))} | {ratios['peer']:.2f} | {_peer_target(small.kind)} "
+            f"| {_peer_verdict(small.kind, ratios['peer'])} |",
             f"| peak RSS, {s:g}× input (ours) vs 1× input (peer), MiB | {_fmt(peak_n)} "
-            f"| {_fmt(peak1)} | {r_mem:.2f} | ≤ {TARGET_MEMORY} "
-            f"| {_verdict(r_mem <= TARGET_MEMORY)} |",
+            f"| {_fmt(peak1)} | {ratios['memory']:.2f} | {_memory_target(small.kind)} "
+            f"| {_memory_verdict(small.kind, ratios['memory'])} |",
         ]
     )
+    n = len(ours.seconds)
+    header = " | ".join(f"run {i + 1}" for i in range(n))
     runs_rows = []
-    for runs in (ours, floor, peer, tp["floor_fast"]):
+    for runs in (ours, tp.batch, tp.fast, peer):
         cells = " | ".join(f"{x:.2f}" for x in runs.seconds)
         runs_rows.append(
             f"| {runs.name} | {cells} | {runs.best:.2f} | {runs.median:.2f} "
-            f"| {_fmt(rate(runs))} | {runs.tokens:,} |"
+            f"| {_fmt(rate(runs))} | {runs.cores:.2f} | {runs.tokens:,} |"
         )
-    n = len(ours.seconds)
-    paired = []
-    for ref_runs in (floor, peer):
-        rs = [b / a for a, b in zip(ours.seconds, ref_runs.seconds, strict=True)]
-        paired.append(
-            f"vs {ref_runs.name} {', '.join(f'{r:.2f}' for r in rs)} "
-            f"(median {statistics.median(rs):.2f})"
+    paired = [
+        f"vs the floor ({floor.name}) {_list(_per_repeat(ours, floor))}",
+        f"vs encode_batch {_list(_per_repeat(ours, tp.batch))}"
+        if floor is not tp.batch
+        else f"vs encode_batch_fast {_list(_per_repeat(ours, tp.fast))}",
+        f"vs datasets.map {_list(_per_repeat(ours, peer))}",
+    ]
+    checks = []
+    kept = tp.last_ours["kept"]
+    checks.append(
+        f"prepare kept {kept:,} of {small.records:,} records"
+        + (
+            " (the generator's count)"
+            if kept == small.kept
+            else f" — **the generator expects {small.kept:,}**; the floor and the peer "
+            "tokenize the generator's set"
         )
-    header = " | ".join(f"run {i + 1}" for i in range(n))
+    )
+    if small.dropped:
+        same = tp.last_ours["dropped"] == small.dropped
+        dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(tp.last_ours["dropped"].items()))
+        checks.append(
+            f"dropped by reason: {dropped}"
+            + (
+                " (as the generator expects)"
+                if same
+                else f" — **the generator expects {small.dropped}**"
+            )
+        )
+    eos_ok = ours.tokens == ref + kept
+    checks.append(
+        f"prepare's token count {ours.tokens:,} = the reference {ref:,} + one EOS per kept "
+        f"document: {'yes' if eos_ok else '**no**'}"
+    )
+    same_ids = tp.ids["same_ids"]
+    checks.append(
+        "`encode_batch_fast` gives `encode_batch`'s ids, document by document: "
+        + ("yes" if same_ids else "**no** (so the floor is `encode_batch`)")
+        + f" ({tp.ids['tokens']:,} ids, blake2b {tp.ids['ids_blake2b'][:16]})"
+    )
     mem_rows = []
-    for label, c, mm in (("1×", small, mem1), (f"{s:g}×", big, mem_n)):
+    for label, c, mm in (("1×", small, m.mem1), (f"{s:g}×", big, m.mem_n)):
         mem_rows.append(
             f"| {label} | {c.size_bytes / MIB:,.1f} | {c.records:,} | {mm['kept']:,} "
             f"| {mm['vmhwm_kib'] / 1024:,.0f} | {mm['baseline_kib'] / 1024:,.0f} "
-            f"| {mm['seconds']:.1f} "
-            f"| {_fmt(mm['tokens'] / mm['seconds'])} |"
+            f"| {mm['seconds']:.1f} | {_fmt(mm['tokens'] / mm['seconds'])} |"
         )
-    kept_note = ""
-    if tp["last_ours"]["kept"] != small.kept:
-        kept_note = (
-            f"\n**Note:** prepare kept {tp['last_ours']['kept']:,} records, the corpus generator "
-            f"expects {small.kept:,}; the floor and the peer tokenize the generator's set.\n"
-        )
-    g1 = (mem1["vmhwm_kib"] - mem1["baseline_kib"]) / 1024
-    gn = (mem_n["vmhwm_kib"] - mem_n["baseline_kib"]) / 1024
-    machine = "\n".join(f"| {k} | {v} |" for k, v in info.items())
-    md = f"""# prepare_data benchmark
+    g1 = (m.mem1["vmhwm_kib"] - m.mem1["baseline_kib"]) / 1024
+    gn = (m.mem_n["vmhwm_kib"] - m.mem_n["baseline_kib"]) / 1024
+    body = f"""## The {small.kind} corpus
 
-Issue 3's three targets, measured on one generated corpus in one run on this machine
-({info["nproc"]} CPUs, {info["date"]}). Rerun with `make bench`, or:
-
-```
-{command}
-```
-
-## Results
+{small.size_bytes / MIB:.1f} MiB, {small.records:,} records ({small.duplicates:,} duplicates, \
+{small.bad:,} bad lines); {_describe(small.kind)}
 
 {table}
 
-Throughput is reference tokens per second, best of {n} interleaved runs, each in a fresh
-process with its imports done before the clock starts: the
-{ref:,} token ids `encode_batch` produces for the {small.kept:,} documents prepare keeps from
-the {small.size_bytes / MIB:.1f} MiB corpus, divided by each contender's wall time (so
-each ratio is a ratio of times on the same work).
-Peak memory is the VmHWM of a fresh `python -m bench.prepare_bench --child memory` process
-running prepare alone, read from /proc/self/status (`getrusage(RUSAGE_CHILDREN)` is not
-used: on Linux it also counts the parent's memory that the child had before `exec`).
-Tokenizer in prepare_data: {tp["mode"]}.
-{kept_note}
-## Runs (seconds, wall)
-
-| contender | {header} | best | median | tokens/s (best) | own token count |
-|---|{"---:|" * n}---:|---:|---:|---:|
-{chr(10).join(runs_rows)}
+The floor is `{floor.name}`: {_why_floor(tp)}
 
 Ratios within each repeat (runs seconds apart; a check on the machine's noise):
 {"; ".join(paired)}.
 
-## Peak memory (prepare_data in a fresh process)
+Checks: {"; ".join(checks)}.
+
+### Runs (seconds, wall)
+
+| contender | {header} | best | median | tokens/s (best) | cores busy | own token count |
+|---|{"---:|" * n}---:|---:|---:|---:|---:|
+{chr(10).join(runs_rows)}
+
+Cores busy: the process's CPU seconds (all threads) over its wall seconds, median of the runs.
+
+### Peak memory (prepare_data in a fresh process)
 
 | input | MiB | records | kept | peak RSS (VmHWM), MiB | RSS after imports, MiB \
 | seconds | tokens/s |
@@ -456,19 +571,104 @@ Ratios within each repeat (runs seconds apart; a check on the machine's noise):
 {chr(10).join(mem_rows)}
 
 Growth above the RSS after imports: {g1:,.0f} MiB at 1×, {gn:,.0f} MiB at {s:g}× \
-(ratio {gn / max(g1, 1e-9):.2f}; informational, the target is on the whole peak).
+(ratio {gn / max(g1, 1e-9):.2f}; informational, the target is on the whole peak). The \
+{s:g}× corpus ({big.size_bytes / MIB:,.1f} MiB) is generated from the same seed, not repeated.
+"""
+    return table, body
 
+
+def _describe(kind: str) -> str:
+    if kind == "clean":
+        return (
+            "English-like documents of 300 to about 3000 characters from a Zipf-weighted "
+            "vocabulary, already normalized (NFC, single spaces, stripped lines)."
+        )
+    return (
+        "docstring- and README-like documents of about 2 KB to 60 KB (a few over max_chars): "
+        "wrapped prose, indented code, parameter lists, tables, logs with ANSI escapes and "
+        "control characters; NFC, NFD and canonical singletons mixed, compatibility "
+        "characters, CJK, Hangul and emoji; tabs, CRLF, runs of spaces, trailing blanks, "
+        "form feeds; whitespace-only, symbol-heavy and repeated-line documents, and "
+        "documents that differ from an earlier one only in whitespace and Unicode form."
+    )
+
+
+def _why_floor(tp: Throughput) -> str:
+    if not tp.ids["same_ids"]:
+        return "`encode_batch_fast` does not give the same ids here, so it cannot be the floor."
+    if tp.floor is tp.fast:
+        return (
+            "it gives the same ids as `encode_batch` (checked above) without computing "
+            f"character offsets, and was the faster call ({tp.fast.best:.2f} s vs "
+            f"{tp.batch.best:.2f} s best). prepare_data calls it too."
+        )
+    return (
+        "`encode_batch_fast` gives the same ids but was not faster in this run "
+        f"({tp.fast.best:.2f} s vs {tp.batch.best:.2f} s best)."
+    )
+
+
+def report(
+    args: argparse.Namespace, measured: list[Measured], info: dict[str, str], command: str
+) -> tuple[str, str]:
+    """(the results tables, the whole markdown report)."""
+    tables, sections = [], []
+    for m in measured:
+        table, body = corpus_section(args, m)
+        tables.append(f"{m.small.kind} corpus:\n{table}")
+        sections.append(body)
+    machine = "\n".join(f"| {k} | {v} |" for k, v in info.items())
+    kinds = " and ".join(m.small.kind for m in measured)
+    commit = info.get("git HEAD", "unknown")
+    summary = [
+        "| corpus | metric | ratio | per repeat | target | result |",
+        "|---|---|---:|---|---|---|",
+    ]
+    for m in measured:
+        r = m.ratios()
+        tp = m.tp
+        summary += [
+            f"| {m.small.kind} | ours / floor (`{tp.floor.name}`) | {r['floor']:.2f} "
+            f"| {_list(_per_repeat(tp.ours, tp.floor))} | ≥ {TARGET_FLOOR} "
+            f"| {_verdict(r['floor'] >= TARGET_FLOOR)} |",
+            f"| {m.small.kind} | ours / `datasets.map` | {r['peer']:.2f} "
+            f"| {_list(_per_repeat(tp.ours, tp.peer))} | {_peer_target(m.small.kind)} "
+            f"| {_peer_verdict(m.small.kind, r['peer'])} |",
+            f"| {m.small.kind} | peak RSS {args.scale:g}× / 1× | {r['memory']:.2f} | "
+            f"| {_memory_target(m.small.kind)} | {_memory_verdict(m.small.kind, r['memory'])} |",
+        ]
+    n = args.repeats
+    md = f"""# prepare_data benchmark
+
+prepare_data's targets (issues 3 and 8) on the {kinds} corpora, measured in one run on this
+machine ({info["nproc"]} CPUs, {info["date"]}) at commit {commit}. Rerun with `make bench`, or:
+
+```
+{command}
+```
+
+## Summary
+
+{chr(10).join(summary)}
+
+Throughput is reference tokens per second, best of {n} interleaved runs, each in a fresh
+process with its imports done before the clock starts: the token ids `encode_batch` produces
+for the documents prepare keeps, divided by each contender's wall time (so each ratio is a
+ratio of times on the same work). "Per repeat" is the ratio within each repeat.
+
+{chr(10).join(sections)}
 ## What is compared
 
-- **prepare_data** (ours): `kubellm.data.prepare.prepare` on the raw JSONL
-  ({small.records:,} records: {small.duplicates:,} exact duplicates and {small.bad:,} bad
-  lines among them), seq_len {SEQ_LEN}, writing zstd Parquet shards; `bench/prepare_bench.py`
-  `run_prepare` is the one call.
-- **encode_batch** (floor): `tokenizers.Tokenizer.from_file(<tokenizer dir>/tokenizer.json)`
-  `.encode_batch(texts, add_special_tokens=False)` over the kept texts already in memory, in
-  batches of {args.floor_batch} documents; tokens = number of ids. `encode_batch_fast` (the
-  same ids without character offsets) is timed the same way for information only: a stage
-  that uses it can beat the `encode_batch` floor.
+- **prepare_data** (ours): `kubellm.data.prepare.prepare` on the raw JSONL (read,
+  normalize, filter, dedup, split, tokenize, pack, write zstd Parquet shards, manifest),
+  seq_len {SEQ_LEN}, default filters; `bench/prepare_bench.py` `run_prepare` is the one
+  call. Tokenizer: {measured[0].tp.last_ours["tokenizer_mode"]}.
+- **the floor**: `tokenizers.Tokenizer.from_file(<tokenizer dir>/tokenizer.json)` over the
+  kept texts already in memory (the corpus generator's companion file, normalized), in
+  batches of {args.floor_batch} documents, `add_special_tokens=False`; tokens = number of
+  ids. Both batch calls are timed: `encode_batch` and `encode_batch_fast` (no character
+  offsets). A separate untimed run compares their ids document by document; the floor is
+  the faster call of those that give `encode_batch`'s ids.
 - **datasets.map** (peer): `datasets.load_dataset("json", data_files=<kept JSONL>)` into a
   fresh cache dir, `.map(batched=True)` (batch 1000, num_proc=None: the fast tokenizer
   already uses every core) calling `PreTrainedTokenizerFast.from_pretrained(<tokenizer dir>)`,
@@ -476,11 +676,15 @@ Growth above the RSS after imports: {g1:,.0f} MiB at 1×, {gn:,.0f} MiB at {s:g}
   timed from the JSONL file. Its input is the companion file of the kept documents only (its
   JSON reader stops at the first malformed line), so it does no cleaning, dedup or split:
   less work than prepare_data does.
-- The tokenizer: a byte-level BPE of vocab {VOCAB} (`kubellm.data.tokenizer.train_bpe`),
-  trained once on the corpus's first {TOKENIZER_SAMPLE_MIB:g} MiB and cached.
-- The corpus: `bench/corpus.py`, seed {args.seed}: English-like documents of 300 to about
-  3000 characters from a Zipf-weighted vocabulary; the {s:g}× corpus
-  ({big.size_bytes / MIB:,.1f} MiB) is generated from the same seed, not repeated.
+- Peak memory is the VmHWM of a fresh `python -m bench.prepare_bench --child memory`
+  process running prepare alone, read from /proc/self/status (`getrusage(RUSAGE_CHILDREN)`
+  is not used: on Linux it also counts the parent's memory that the child had before
+  `exec`).
+- The tokenizers: a byte-level BPE of vocab {VOCAB} per corpus
+  (`kubellm.data.tokenizer.train_bpe`), trained once on the corpus's first
+  {TOKENIZER_SAMPLE_MIB:g} MiB of kept text and cached.
+- The corpora: `bench/corpus.py`, seed {args.seed}, generated and cached under the cache
+  directory.
 
 ## Machine
 
@@ -488,11 +692,12 @@ Growth above the RSS after imports: {g1:,.0f} MiB at 1×, {gn:,.0f} MiB at {s:g}
 |---|---|
 {machine}
 """
-    return table, md, {"floor": r_floor, "peer": r_peer, "memory": r_mem}
+    return "\n\n".join(tables), md
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--corpus", choices=(*KINDS, "both"), default="both", help="which corpus")
     ap.add_argument("--size-mb", type=float, help="1× corpus, MiB (default 20; quick 1)")
     ap.add_argument("--scale", type=float, help="memory: scale× vs 1× (default 10; quick 3)")
     ap.add_argument("--repeats", type=int, help="runs each, best used (default 3; quick 1)")
@@ -500,10 +705,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default="docs/benchmarks-prepare.md", help="markdown report")
     ap.add_argument("--json", default="", help="also write the figures as JSON here")
     ap.add_argument("--cache-dir", default="runs/bench", help="corpora, tokenizer, scratch")
-    ap.add_argument("--floor-batch", type=int, default=4096, help="documents per encode_batch")
+    ap.add_argument("--floor-batch", type=int, default=4096, help="documents per tokenizer call")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat (smoke test)")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    kinds = ("memory", "ours", "floor", "peer", "floor_fast")
+    kinds = ("memory", "ours", "floor", "peer", "floor_fast", "ids")
     ap.add_argument("--child", choices=kinds, help=argparse.SUPPRESS)
     ap.add_argument("--source", help=argparse.SUPPRESS)
     ap.add_argument("--tokenizer-dir", help=argparse.SUPPRESS)
@@ -525,39 +730,60 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache_dir).resolve()
     work = cache / "work"
     work.mkdir(parents=True, exist_ok=True)
+    info = machine_info()  # before the runs: the source they ran (git HEAD)
 
     t0 = time.perf_counter()
-    print(f"corpora: {args.size_mb:g} MiB and {args.size_mb * args.scale:g} MiB in {cache}")
-    small = ensure_corpus(cache, args.size_mb, args.seed)
-    big = ensure_corpus(cache, args.size_mb * args.scale, args.seed)
-    tokenizer_dir = ensure_tokenizer(cache, small, args.seed)
-    print(f"tokenizer: {tokenizer_dir}")
-    print(f"throughput: {args.repeats} interleaved repeat(s) on {small.path.name}", flush=True)
-    tp = measure_throughput(small, tokenizer_dir, work, args.repeats, args.floor_batch)
-    print("peak memory: fresh prepare processes at 1× and scale×", flush=True)
-    mem1 = run_child("memory", small.path, tokenizer_dir, work, args.floor_batch)
-    mem_n = run_child("memory", big.path, tokenizer_dir, work, args.floor_batch)
+    kinds = KINDS if args.corpus == "both" else (args.corpus,)
+    measured: list[Measured] = []
+    for kind in kinds:
+        print(
+            f"{kind} corpus: {args.size_mb:g} MiB and {args.size_mb * args.scale:g} MiB in {cache}"
+        )
+        small = ensure_corpus(cache, args.size_mb, args.seed, kind)
+        big = ensure_corpus(cache, args.size_mb * args.scale, args.seed, kind)
+        tokenizer_dir = ensure_tokenizer(cache, small, args.seed)
+        print(f"  tokenizer: {tokenizer_dir}")
+        print(
+            f"  throughput: {args.repeats} interleaved repeat(s) on {small.path.name}", flush=True
+        )
+        tp = measure_throughput(small, tokenizer_dir, work, args.repeats, args.floor_batch, kind)
+        print("  peak memory: fresh prepare processes at 1× and scale×", flush=True)
+        mem1 = run_child("memory", small.path, tokenizer_dir, work, args.floor_batch)
+        mem_n = run_child("memory", big.path, tokenizer_dir, work, args.floor_batch)
+        measured.append(Measured(small, big, tp, mem1, mem_n))
 
-    table, md, ratios = report(args, small, big, tp, mem1, mem_n, machine_info(), command)
+    tables, md = report(args, measured, info, command)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md)
     if args.json:
         figures = {
-            "ratios": ratios,
-            "seconds": {k: tp[k].seconds for k in ("ours", "floor", "peer", "floor_fast")},
-            "reference_tokens": tp["floor"].tokens,
-            "memory": {"1x": mem1, "scale": mem_n},
-            "tokenizer_mode": tp["mode"],
+            m.small.kind: {
+                "ratios": m.ratios(),
+                "floor": m.tp.floor.name,
+                "same_ids": m.tp.ids["same_ids"],
+                "seconds": {
+                    r.name: r.seconds for r in (m.tp.ours, m.tp.batch, m.tp.fast, m.tp.peer)
+                },
+                "cpu_seconds": {
+                    r.name: r.cpu_seconds for r in (m.tp.ours, m.tp.batch, m.tp.fast, m.tp.peer)
+                },
+                "reference_tokens": m.tp.batch.tokens,
+                "memory": {"1x": m.mem1, "scale": m.mem_n},
+                "tokenizer_mode": m.tp.last_ours["tokenizer_mode"],
+            }
+            for m in measured
         }
+        figures["commit"] = info.get("git HEAD", "")  # type: ignore[assignment]
         Path(args.json).write_text(json.dumps(figures, indent=2))
     print()
-    print(table)
+    print(tables)
     print(f"\nwrote {out} ({time.perf_counter() - t0:.0f} s)")
-    ok = (
-        ratios["floor"] >= TARGET_FLOOR
-        and ratios["peer"] >= TARGET_PEER
-        and ratios["memory"] <= TARGET_MEMORY
+    ok = all(
+        r["floor"] >= TARGET_FLOOR
+        and (m.small.kind not in ISSUE3_TARGET_CORPORA or r["peer"] >= TARGET_PEER)
+        and (m.small.kind not in ISSUE3_TARGET_CORPORA or r["memory"] <= TARGET_MEMORY)
+        for m, r in ((m, m.ratios()) for m in measured)
     )
     return 1 if args.check and not ok else 0
 

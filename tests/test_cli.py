@@ -81,8 +81,11 @@ def test_train_on_a_bad_dataset_is_one_line_with_the_cause(tmp_path: Path) -> No
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "manifest.json").write_text("{}")
     proc = subprocess.run(
-        [sys.executable, "-m", "kubellm.cli", "train", "--dataset", str(tmp_path / "ds")]
-        + ["--output", str(tmp_path / "model"), "--nproc", "1"],
+        [
+            *(sys.executable, "-m", "kubellm.cli", "train"),
+            *("--dataset", str(tmp_path / "ds"), "--output", str(tmp_path / "model")),
+            *("--nproc", "1"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

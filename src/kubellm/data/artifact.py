@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow.parquet as pq
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from kubellm.data.records import DataError
 
@@ -50,6 +52,8 @@ def load_eval_examples(dataset_dir: str | Path, limit: int | None = None) -> lis
 
 def load_split(dataset_dir: str | Path, split: str) -> torch.Tensor:
     """Rows of a split as int32, shape (2, N, seq_len): input ids and labels (-100 masked)."""
+    import torch  # here, not at import: prepare_data reads this module and needs no torch
+
     files = sorted((Path(dataset_dir) / split).glob("*.parquet"))
     if not files:
         raise DataError(f"{dataset_dir}/{split} has no Parquet shards")

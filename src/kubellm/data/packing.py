@@ -73,7 +73,12 @@ class ConcatPacker:
         self._mask = np.empty(0, dtype=np.int8)
 
     def add(self, docs: list[Doc]) -> Rows:
-        ids, mask = _flatten(docs, self.eos)
+        return self.add_flat(*_flatten(docs, self.eos))
+
+    def add_flat(self, ids: np.ndarray, mask: np.ndarray | None = None) -> Rows:
+        """Documents already concatenated, each followed by its EOS; mask None: all targets."""
+        if mask is None:
+            mask = np.ones(len(ids), dtype=np.int8)
         self.stats.tokens += len(ids)
         ids = np.concatenate([self._ids, ids])
         mask = np.concatenate([self._mask, mask])

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal
 
-OnError = Literal["skip", "fail"]
+from kubellm.config import OnError
+
+__all__ = ["BAD_INPUT", "Counts", "DataError", "OnError", "Record"]
 
 # Reasons that mean the input itself is broken (strict mode stops on them); the others are
 # filters (quality, length, duplicates) and always just count.
