@@ -279,23 +279,16 @@ class _Cleaner:
         return rec, _is_val(key, p.val_fraction)
 
 
-def _tokenize(tokenizer: Any, records: list[Record], mask_prompt: bool) -> list[Doc]:
-    """(ids, n_prompt) per record, batched through the fast tokenizer.
-
-    Prompt/completion records are encoded in two parts when the prompt is masked, so the
-    boundary is exact; plain text is one part, all targets.
-    """
-    return _docs(_encode(tokenizer, records, mask_prompt))
-
-
 _Encoded = tuple[list[bool], list[Any], list[Any], list[Any]]
 
 
 def _encode(tokenizer: Any, records: list[Record], mask_prompt: bool) -> _Encoded:
     """The tokenizer's calls for `records`: (split, whole, prompts, answers) encodings.
 
-    Only the Rust calls (they release the GIL and use every core); `_docs` takes the ids
-    out, so a thread running this one is free to start the next batch meanwhile.
+    Prompt/completion records are encoded in two parts when the prompt is masked, so the
+    boundary is exact; plain text is one part, all targets. Only the Rust calls (they
+    release the GIL and use every core); `_docs` takes the ids out, so a thread running
+    this one is free to start the next batch meanwhile.
     """
     backend = tokenizer.backend_tokenizer
     # encode_batch_fast: the same ids as encode_batch, without computing character offsets

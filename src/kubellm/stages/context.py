@@ -105,25 +105,36 @@ class StageContext:
             out[run.data.tags.get(TAG_STAGE, run.info.run_name)] = run
         return out
 
-    def job_name(self, name: str) -> str:
-        return dns_name(self.cfg.model_name, name, self.kfp_run_id[:12])
-
-    def train_job(self, name: str, train_cfg: TrainConfig) -> TrainJob:
-        """A TrainJob for this pipeline's topology, its config written where jobs read it."""
-        path = self.backends.workspace.dir("config") / f"{name}.json"
-        path.write_text(train_cfg.model_dump_json(indent=2))
+    def job(
+        self,
+        name: str,
+        args: list[str],
+        module: str = "kubellm.train",
+        timeout_s: float | None = None,
+        env: dict[str, str] | None = None,
+    ) -> TrainJob:
+        """A job of this run with the training topology, image and workspace; `timeout_s`
+        defaults to job_timeout_minutes."""
         cfg = self.cfg
         return TrainJob(
-            name=self.job_name(name),
-            train_args=["--config", str(path)],
+            name=dns_name(cfg.model_name, name, self.kfp_run_id[:12]),
+            train_args=args,
+            module=module,
             nnodes=cfg.num_nodes,
             nproc_per_node=cfg.nproc_per_node,
-            timeout_s=cfg.job_timeout_minutes * 60.0,
+            timeout_s=cfg.job_timeout_minutes * 60.0 if timeout_s is None else timeout_s,
             image=cfg.trainer_image,
             namespace=cfg.namespace,
-            env={"MLFLOW_TRACKING_URI": cfg.mlflow_tracking_uri},
+            env=env or {},
             workspace_pvc=self.backends.workspace.pvc_name,
         )
+
+    def train_job(self, name: str, train_cfg: TrainConfig) -> TrainJob:
+        """A training job, its config written where jobs read it."""
+        path = self.backends.workspace.dir("config") / f"{name}.json"
+        path.write_text(train_cfg.model_dump_json(indent=2))
+        env = {"MLFLOW_TRACKING_URI": self.cfg.mlflow_tracking_uri}
+        return self.job(name, ["--config", str(path)], env=env)
 
 
 def write_json(path: str | Path, value: Any) -> None:

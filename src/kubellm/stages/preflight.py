@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubellm import backends
-from kubellm.backends.base import TrainJob, dns_name
-from kubellm.config import PipelineConfig, pipeline_config
+from kubellm.config import pipeline_config
 from kubellm.stages.context import StageContext, StageResult, markdown_table, open_tracker
 
 
@@ -15,21 +14,6 @@ from kubellm.stages.context import StageContext, StageResult, markdown_table, op
 class Result(StageResult):
     config: str = ""  # the resolved PipelineConfig as JSON: every later stage's input
     parent_run_id: str = ""
-
-
-def fabric_job(cfg: PipelineConfig, kfp_run_id: str, pvc: str | None) -> TrainJob:
-    """The all-reduce check, with the training topology, on the training launcher."""
-    return TrainJob(
-        name=dns_name(cfg.model_name, "fabric", kfp_run_id[:12]),
-        module="kubellm.train.fabric",
-        train_args=["--mib", "4"],
-        nnodes=cfg.num_nodes,
-        nproc_per_node=cfg.nproc_per_node,
-        timeout_s=600.0,
-        image=cfg.trainer_image,
-        namespace=cfg.namespace,
-        workspace_pvc=pvc,
-    )
 
 
 def run(params: dict[str, Any], kfp_run_id: str) -> Result:
@@ -40,8 +24,9 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
     parent = tracker.start_parent(f"{cfg.model_name}-{kfp_run_id}", cfg.model_dump())
     ctx = StageContext(cfg, tracker, parent, kfp_run_id)
     with ctx.stage("preflight") as run_id:
-        ws = ctx.backends.workspace
-        job = ctx.backends.trainer.run(fabric_job(cfg, kfp_run_id, ws.pvc_name))
+        # the all-reduce check, with the training topology, on the training launcher
+        fabric = ctx.job("fabric", ["--mib", "4"], module="kubellm.train.fabric", timeout_s=600.0)
+        job = ctx.backends.trainer.run(fabric)
         metrics = {k: v for k, v in job.metrics.items() if k.startswith("allreduce")}
         tracker.log(
             run_id,

@@ -57,7 +57,8 @@ def run(ctx: StageContext, dataset_dir: str | Path) -> Result:
             save_model=False,
         )
         for p in SEARCH_SPACE:  # every value a trial can get is a valid TrainConfig
-            trial_cfg.with_values({p.name: p.low}).with_values({p.name: p.high})
+            for bound in (p.low, p.high):
+                trial_cfg.with_values({p.name: bound})
         job = ctx.train_job("tune", trial_cfg)
         request = TuneRequest(
             name=job.name,

@@ -58,11 +58,11 @@ def load_config(argv: list[str] | None = None) -> TrainConfig:
     parser.add_argument("--config", help="TrainConfig as a JSON file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
     args = parser.parse_args(argv)
-    base = json.loads(Path(args.config).read_text()) if args.config else {}
     overrides = parse_overrides(args.overrides, TrainConfig)
     if not args.config:
         return validate(TrainConfig, overrides)
-    return validate(TrainConfig, base).with_values(overrides)
+    base = validate(TrainConfig, json.loads(Path(args.config).read_text()))
+    return base.with_values(overrides)
 
 
 @dataclass
@@ -82,9 +82,10 @@ def check(cfg: TrainConfig, world_size: int, local_rank: int = 0) -> Plan:
     micro = cfg.micro_batch(world_size)
     try:
         manifest = load_manifest(cfg.dataset_dir)
-        if not tokenizer_dir(cfg.dataset_dir).is_dir():
-            raise DataError(f"{tokenizer_dir(cfg.dataset_dir).name}/ is missing")
-        tokenizer = load_tokenizer(tokenizer_dir(cfg.dataset_dir))
+        tok_dir = tokenizer_dir(cfg.dataset_dir)
+        if not tok_dir.is_dir():
+            raise DataError(f"{tok_dir.name}/ is missing")
+        tokenizer = load_tokenizer(tok_dir)
     except (DataError, OSError, ValueError) as err:
         raise ConfigError(f"invalid dataset_dir={cfg.dataset_dir!r}: {err}") from None
     seq_len = int(manifest["seq_len"])

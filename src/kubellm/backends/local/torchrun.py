@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from kubellm.backends.base import JobFailed, JobResult, JobTimeout, Trainer, TrainJob
@@ -61,7 +60,6 @@ class TorchrunTrainer(Trainer):
             start_new_session=True,
         )
         lines: list[str] = []
-        tail: deque[str] = deque(maxlen=30)
 
         log = open(self.log_path, "w") if self.log_path else None  # noqa: SIM115
 
@@ -69,7 +67,6 @@ class TorchrunTrainer(Trainer):
             assert proc.stdout is not None
             for line in proc.stdout:
                 lines.append(line)
-                tail.append(line)
                 if log is not None:
                     log.write(line)
                 if self.echo and _echoed(line, brief=log is not None):
