@@ -7,6 +7,19 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 ARGS ?=
+# checkov (tests/manifests runs it on every kustomization) pins old versions of packages
+# the project shares, so it gets a venv of its own. The stamp names the version: changing
+# CHECKOV_VERSION reinstalls, an unchanged one does nothing.
+CHECKOV_VERSION ?= 3.3.30
+CHECKOV_VENV ?= .venv-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(CHECKOV_VERSION)
+# Images: make images REGISTRY=ghcr.io/kubellm TAG=0.1.0 (docker, BuildKit).
+DOCKER ?= docker
+REGISTRY ?= ghcr.io/kubellm
+TAG ?= 0.1.0
+IMAGES := runtime serving trainer
+# The images install the torch the venv is tested with (TORCH_PIN above).
+TORCH_VERSION := $(patsubst torch==%,%,$(TORCH_PIN))
 
 .DEFAULT_GOAL := help
 
@@ -28,8 +41,17 @@ install: $(STAMP) ## Create .venv and install kubellm with its dev tools
 run: $(STAMP) ## Run the whole pipeline locally (compiled YAML, kfp.local); ARGS="--set k=v"
 	$(BIN)/kubellm run --local $(ARGS)
 
+$(CHECKOV_STAMP):
+	@test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet "checkov==$(CHECKOV_VERSION)"
+	@rm -f $(CHECKOV_VENV)/.installed-*
+	@touch $@
+
+.PHONY: checkov
+checkov: $(CHECKOV_STAMP) ## Create .venv-checkov with checkov (pinned; its own venv)
+
 .PHONY: test
-test: $(STAMP) ## Run the full test suite (what CI runs)
+test: $(STAMP) $(CHECKOV_STAMP) ## Run the full test suite (what CI runs)
 	$(BIN)/python -m pytest $(ARGS)
 
 .PHONY: lint
@@ -83,6 +105,21 @@ mlflow-ui: $(STAMP) ## Open the MLflow UI on the local results (127.0.0.1:5000)
 manifests: ## Render the kustomize overlays (needs kubectl)
 	kubectl kustomize manifests/base >/dev/null && echo "base ok"
 	kubectl kustomize manifests/overlays/rdma >/dev/null && echo "rdma ok"
+
+.PHONY: images
+images: $(addprefix image-,$(IMAGES)) ## Build the images (docker): make images REGISTRY=ghcr.io/kubellm TAG=0.1.0
+
+.PHONY: images-push
+images-push: $(addprefix push-,$(IMAGES)) ## Build and push the images (same REGISTRY and TAG as images)
+
+# One target of containers/Dockerfile per image, built from the repository root.
+.PHONY: $(addprefix image-,$(IMAGES))
+$(addprefix image-,$(IMAGES)): image-%:
+	$(DOCKER) build -f containers/Dockerfile --target $* --build-arg TORCH_VERSION=$(TORCH_VERSION) -t $(REGISTRY)/$*:$(TAG) .
+
+.PHONY: $(addprefix push-,$(IMAGES))
+$(addprefix push-,$(IMAGES)): push-%: image-%
+	$(DOCKER) push $(REGISTRY)/$*:$(TAG)
 
 .PHONY: clean
 clean: ## Remove local run state (runs/, kfp outputs); keeps .venv

@@ -11,6 +11,7 @@ descriptions; preflight validates them all before anything expensive starts.
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from kfp import dsl, kubernetes
 
@@ -26,37 +27,66 @@ from components.summarize import summarize
 from components.train import train
 from components.tune import tune
 from kubellm.backends.base import WORKSPACE_MOUNT
+
+# The step's own pod (downward API), owner of the jobs it creates: deleting a run deletes them.
+from kubellm.backends.kubernetes.client import (
+    POD_NAME_ENV,
+    POD_NAMESPACE_ENV,
+    POD_UID_ENV,
+    RUN_AS_UID,
+)
+from kubellm.backends.kubernetes.podspec import MLFLOW_SECRET, MLFLOW_SECRET_ENV
 from kubellm.config import PipelineConfig
 from kubellm.stages.evaluate import PROMOTE
 
 PIPELINE_NAME = "kubellm-llm-train"
-SERVICE_ACCOUNT_NOTE = "Steps run as the kubellm-pipeline ServiceAccount (manifests/base)."
+SERVICE_ACCOUNT_NOTE = (
+    "Run it as the kubellm-pipeline ServiceAccount (manifests/base): `kubellm submit "
+    "--service-account kubellm-pipeline`, or the Service Account field of the run form."
+)
 CONFIG_MAP = "kubellm-config"
-MLFLOW_SECRET = "mlflow-credentials"
 
-_D = {name: field.default for name, field in PipelineConfig.model_fields.items()}
+_D = {
+    name: field.get_default(call_default_factory=True)
+    for name, field in PipelineConfig.model_fields.items()
+}
 
 
-def _cluster_wiring(task: dsl.PipelineTask, workspace: bool = True) -> dsl.PipelineTask:
-    """Cluster-side settings: the tracking URI from a ConfigMap, optional credentials from a
-    Secret (never a pipeline parameter), and the shared workspace volume."""
-    kubernetes.use_config_map_as_env(
-        task,
-        config_map_name=CONFIG_MAP,
-        config_map_key_to_env={"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI"},
-    )
-    kubernetes.use_secret_as_env(
-        task,
-        secret_name=MLFLOW_SECRET,
-        secret_key_to_env={
-            "username": "MLFLOW_TRACKING_USERNAME",
-            "password": "MLFLOW_TRACKING_PASSWORD",
-        },
-        optional=True,
-    )
-    if workspace:
-        kubernetes.mount_pvc(task, pvc_name=_D["workspace_pvc"], mount_path=WORKSPACE_MOUNT)
-    return task
+class _Cluster:
+    """The pipeline parameters every step pod is wired with (image, resources, workspace)."""
+
+    def __init__(self, runtime_image: Any, cpu: Any, memory: Any, workspace_pvc: Any) -> None:
+        self.image, self.cpu, self.memory, self.pvc = runtime_image, cpu, memory, workspace_pvc
+
+    def wire(self, task: dsl.PipelineTask, workspace: bool = True) -> dsl.PipelineTask:
+        """Cluster-side settings of a step: its image and resources (parameters), the tracking
+        URI from the kubellm-config ConfigMap if there is one (else the mlflow_tracking_uri
+        parameter), credentials from a Secret (never a parameter), its own pod's name and
+        uid (owner of the jobs it creates), non-root, and the shared workspace volume."""
+        task.set_container_image(self.image)
+        task.set_cpu_request(self.cpu).set_cpu_limit(self.cpu)
+        task.set_memory_request(self.memory).set_memory_limit(self.memory)
+        kubernetes.use_config_map_as_env(
+            task,
+            config_map_name=CONFIG_MAP,
+            config_map_key_to_env={"MLFLOW_TRACKING_URI": "MLFLOW_TRACKING_URI"},
+            optional=True,
+        )
+        kubernetes.use_secret_as_env(
+            task,
+            secret_name=MLFLOW_SECRET,
+            secret_key_to_env={key: env for env, key in MLFLOW_SECRET_ENV.items()},
+            optional=True,
+        )
+        kubernetes.use_field_path_as_env(task, POD_NAME_ENV, "metadata.name")
+        kubernetes.use_field_path_as_env(task, POD_UID_ENV, "metadata.uid")
+        kubernetes.use_field_path_as_env(task, POD_NAMESPACE_ENV, "metadata.namespace")
+        kubernetes.set_security_context(
+            task, run_as_user=RUN_AS_UID, run_as_group=RUN_AS_UID, run_as_non_root=True
+        )
+        if workspace:
+            kubernetes.mount_pvc(task, pvc_name=self.pvc, mount_path=WORKSPACE_MOUNT)
+        return task
 
 
 def llm_train(
@@ -100,8 +130,33 @@ def llm_train(
     serving_image: str = _D["serving_image"],
     workspace_pvc: str = _D["workspace_pvc"],
     job_timeout_minutes: int = _D["job_timeout_minutes"],
+    runtime_image: str = _D["runtime_image"],
+    gpus_per_node: int = _D["gpus_per_node"],
+    job_cpu: str = _D["job_cpu"],
+    job_memory: str = _D["job_memory"],
+    step_cpu: str = _D["step_cpu"],
+    step_memory: str = _D["step_memory"],
+    shm_size: str = _D["shm_size"],
+    node_selector: dict = _D["node_selector"],
+    tolerations: list = _D["tolerations"],
+    priority_class: str = _D["priority_class"],
+    queue: str = _D["queue"],
+    gang_scheduler: str = _D["gang_scheduler"],
+    job_ttl_hours: int = _D["job_ttl_hours"],
+    fabric: str = _D["fabric"],
+    rdma_resource: str = _D["rdma_resource"],
+    rdma_count: int = _D["rdma_count"],
+    network_annotation: str = _D["network_annotation"],
+    nccl_env: dict = _D["nccl_env"],
+    min_busbw_gbps: float = _D["min_busbw_gbps"],
+    tune_algorithm: str = _D["tune_algorithm"],
+    tune_parallel: int = _D["tune_parallel"],
+    tune_max_failed: int = _D["tune_max_failed"],
+    tune_early_stopping: bool = _D["tune_early_stopping"],
 ):
     run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER
+    cluster = _Cluster(runtime_image, step_cpu, step_memory, workspace_pvc)
+    _cluster_wiring = cluster.wire
     report = summarize(
         platform=platform,
         mlflow_tracking_uri=mlflow_tracking_uri,
@@ -153,6 +208,29 @@ def llm_train(
             serving_image=serving_image,
             workspace_pvc=workspace_pvc,
             job_timeout_minutes=job_timeout_minutes,
+            runtime_image=runtime_image,
+            gpus_per_node=gpus_per_node,
+            job_cpu=job_cpu,
+            job_memory=job_memory,
+            step_cpu=step_cpu,
+            step_memory=step_memory,
+            shm_size=shm_size,
+            node_selector=node_selector,
+            tolerations=tolerations,
+            priority_class=priority_class,
+            queue=queue,
+            gang_scheduler=gang_scheduler,
+            job_ttl_hours=job_ttl_hours,
+            fabric=fabric,
+            rdma_resource=rdma_resource,
+            rdma_count=rdma_count,
+            network_annotation=network_annotation,
+            nccl_env=nccl_env,
+            min_busbw_gbps=min_busbw_gbps,
+            tune_algorithm=tune_algorithm,
+            tune_parallel=tune_parallel,
+            tune_max_failed=tune_max_failed,
+            tune_early_stopping=tune_early_stopping,
             kfp_run_id=run_id,
         )
         _cluster_wiring(pre)

@@ -85,6 +85,8 @@ def test_submit_sends_typed_overrides(fake: FakeKfp, capsys: pytest.CaptureFixtu
     assert type(params["gate_min_accuracy"]) is float
     assert type(params["train_steps"]) is int
     assert run["display_name"] == "kubellm-test-run"
+    # steps run as the ServiceAccount whose Role lets them create jobs (manifests/base)
+    assert run["service_account"] == "kubellm-pipeline"
     spec = run["pipeline_spec"].get("pipeline_spec", run["pipeline_spec"])
     assert spec["pipelineInfo"]["name"] == "kubellm-llm-train"
 
@@ -95,6 +97,13 @@ def test_submit_sends_typed_overrides(fake: FakeKfp, capsys: pytest.CaptureFixtu
     (run_id,) = fake.runs
     assert f"submitted run {run_id} (kubellm-test-run) to {fake.url}" in out
     assert f"{fake.url}/#/runs/details/{run_id}" in out
+
+
+def test_submit_with_another_service_account(fake: FakeKfp) -> None:
+    assert _submit("--endpoint", fake.url, "--service-account", "team-a-runner") == 0
+    (run,) = fake.created_runs()
+    assert run["service_account"] == "team-a-runner"
+    assert fake.errors == []
 
 
 def test_submit_reuses_an_existing_experiment(fake: FakeKfp) -> None:

@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
-# The image every pipeline step runs in (containers/runtime/Dockerfile). Locally, kfp.local's
+# The default image of pipeline steps (containers/Dockerfile, target runtime; the pipeline
+# parameter runtime_image picks another). Locally, kfp.local's
 # SubprocessRunner runs the same component code in this Python environment instead.
 RUNTIME_IMAGE = f"ghcr.io/kubellm/runtime:{__version__}"

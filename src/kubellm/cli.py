@@ -3,7 +3,9 @@
 kubellm run --local                      # the whole pipeline on this machine (CPU)
 kubellm run --local --set train_steps=200 --set tune_trials=0
 kubellm compile                          # pipelines/*.py -> pipelines/*.yaml
-kubellm submit pipelines/llm_train.yaml --endpoint http://localhost:8080
+kubellm submit pipelines/llm_train.yaml --endpoint http://localhost:8080 \
+    --service-account kubellm-pipeline --namespace team-a
+kubellm render --set gpus_per_node=8 --set fabric=rdma-ib   # the objects a run creates
 kubellm prepare runs/dataset             # one stage by hand
 kubellm train --dataset runs/dataset --output runs/model --nproc 2
 kubellm evaluate runs/model runs/dataset
@@ -80,7 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--experiment", default="kubellm", help="KFP experiment name")
     submit.add_argument("--run-name", default=None, help="run name (default: timestamped)")
     submit.add_argument("--namespace", default=None, help="Kubeflow profile namespace")
+    submit.add_argument(
+        "--service-account",
+        default="kubellm-pipeline",
+        help="ServiceAccount the steps run as (its Role lets them create jobs; "
+        "manifests/base/rbac.yaml); empty: the profile's default",
+    )
     _add_set(submit, "pipeline parameter")
+
+    rend = sub.add_parser(
+        "render",
+        help="print the Kubernetes objects a cluster run would create (YAML)",
+        description="Print every PyTorchJob, Katib Experiment and InferenceService a run "
+        "with these parameters creates, built by the code the stages run; pipe it to "
+        "`kubectl apply --dry-run=server -f -` to check it against your cluster's webhooks.",
+    )
+    rend.add_argument("--run-id", default=None, help="KFP run id to name the objects after")
+    _add_set(rend, "pipeline parameter")
 
     prep = sub.add_parser("prepare", help="prepare_data by hand: build a Dataset directory")
     prep.add_argument("out_dir", help="where the dataset directory is written")
@@ -180,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
             from kubellm.submit import submit
 
             return submit(args)
+        if args.command == "render":
+            from kubellm.render import RUN_ID, render
+
+            overrides = parse_overrides(args.overrides, PipelineConfig)
+            print(render(overrides, args.run_id or RUN_ID), end="")
+            return 0
         if args.command == "prepare":
             return _prepare(args.out_dir, parse_overrides(args.overrides, PipelineConfig))
         if args.command == "train":

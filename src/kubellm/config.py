@@ -14,10 +14,13 @@ kubellm.stages.configs.
 from __future__ import annotations
 
 import json
+import re
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kubellm import RUNTIME_IMAGE
 
 # -- shared field types ----------------------------------------------------------------------
 
@@ -29,6 +32,9 @@ Template = Literal["none", "prompt_response", "messages"]
 Packing = Literal["concat", "best_fit"]
 OnError = Literal["skip", "fail"]
 TextMode = Literal["file", "line"]
+Fabric = Literal["tcp", "rdma-ib", "roce"]
+GangScheduler = Literal["kueue", "volcano"]
+TuneAlgorithm = Literal["random", "tpe", "bayesianoptimization", "grid"]
 
 Seed = Annotated[int, Field(ge=0)]
 Steps = Annotated[int, Field(ge=1)]
@@ -40,6 +46,14 @@ NumHeads = Annotated[int, Field(ge=1)]
 MAX_LORA_RANK = 1024
 LoraRank = Annotated[int, Field(ge=1, le=MAX_LORA_RANK)]
 LoraRankOrOff = Annotated[int, Field(ge=0, le=MAX_LORA_RANK)]  # 0: no adapters
+
+# A Kubernetes resource quantity (`2`, `500m`, `16Gi`, `1.5e9`), as the API server parses it.
+Quantity = Annotated[
+    str,
+    Field(pattern=r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[KMGTPE]i?|[munkMGTPE])?$"),
+]
+# DNS-1035 label: what the PyTorchJob webhook, Katib and KServe accept as a name.
+DNS_1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 STRATEGY_HELP = (
     "ddp: replicated model; fsdp: FSDP2 fully_shard (parameters, gradients and optimizer "
@@ -225,9 +239,10 @@ class PipelineConfig(_Strict):
     )
     model_name: str = Field(
         "kubellm-tiny",
-        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        pattern=DNS_1035,
         max_length=45,
-        description="Registered model and InferenceService name (DNS-1123 label).",
+        description="Registered model and InferenceService name: lowercase letters, digits and "
+        "'-', starting with a letter (DNS-1035, as KServe requires).",
     )
     experiment_name: str = Field("kubellm", min_length=1, description="MLflow experiment.")
     mlflow_tracking_uri: str = Field(
@@ -249,6 +264,81 @@ class PipelineConfig(_Strict):
     job_timeout_minutes: int = Field(
         120, ge=1, description="A job still running after this is deleted and the step fails."
     )
+    # -- cluster: images, resources, placement (platform=kubernetes; ignored locally) --------
+    runtime_image: str = Field(
+        RUNTIME_IMAGE, min_length=1, description="Image of the pipeline's own step pods."
+    )
+    gpus_per_node: int = Field(
+        0, ge=0, le=16, description="GPUs each training pod requests (nvidia.com/gpu); 0: CPU."
+    )
+    job_cpu: Quantity = Field("4", description="CPU request and limit of each training pod.")
+    job_memory: Quantity = Field(
+        "16Gi", description="Memory request and limit of each training pod."
+    )
+    step_cpu: Quantity = Field("1", description="CPU request and limit of each pipeline step.")
+    step_memory: Quantity = Field(
+        "4Gi", description="Memory request and limit of each pipeline step."
+    )
+    shm_size: Quantity = Field(
+        "8Gi", description="Size of /dev/shm (memory-backed) in training pods."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels training pods must match."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Tolerations of training pods (Kubernetes objects)."
+    )
+    priority_class: str = Field("", description="PriorityClass of training pods; empty: none.")
+    queue: str = Field(
+        "",
+        description="Queue for gang scheduling (Kueue LocalQueue or Volcano queue); empty: none.",
+    )
+    gang_scheduler: GangScheduler = Field(
+        "kueue",
+        description="kueue: the kueue.x-k8s.io/queue-name label; volcano: the PyTorchJob's "
+        "schedulingPolicy (the Training Operator must run with --gang-scheduler-name=volcano).",
+    )
+    job_ttl_hours: int = Field(
+        24, ge=0, description="Finished jobs are deleted after this many hours; 0: at once."
+    )
+    fabric: Fabric = Field(
+        "tcp",
+        description="Network between training nodes: tcp (NCCL picks; nothing set), rdma-ib "
+        "(InfiniBand) or roce (RDMA over Ethernet): RDMA device, IPC_LOCK and NCCL settings.",
+    )
+    rdma_resource: str = Field(
+        "rdma/rdma_shared_device_a",
+        min_length=1,
+        description="Extended resource of the RDMA device plugin (e.g. nvidia.com/hostdev).",
+    )
+    rdma_count: int = Field(1, ge=1, le=64, description="RDMA devices each training pod asks for.")
+    network_annotation: str = Field(
+        "",
+        description="Multus networks for training pods (k8s.v1.cni.cncf.io/networks); empty: none.",
+    )
+    nccl_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="NCCL_* settings that override the fabric profile's defaults.",
+    )
+    min_busbw_gbps: float = Field(
+        0.0, ge=0, description="Preflight fails when all-reduce bus bandwidth is lower; 0: off."
+    )
+    tune_algorithm: TuneAlgorithm = Field("tpe", description="Search algorithm of the tuner.")
+    tune_parallel: int = Field(1, ge=1, le=64, description="Trials run at the same time.")
+    tune_max_failed: int = Field(
+        -1, ge=-1, description="Failed trials that end the search; -1: tune_trials - 1."
+    )
+    tune_early_stopping: bool = Field(
+        False, description="Stop trials worse than the median (Katib medianstop; cluster only)."
+    )
+
+    @field_validator("nccl_env")
+    @classmethod
+    def _nccl_only(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in value if not re.fullmatch(r"NCCL_[A-Z0-9_]+", k))
+        if bad:
+            raise ValueError(f"nccl_env keys must be NCCL_* variables, got {', '.join(bad)}")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineConfig:
@@ -259,6 +349,20 @@ class PipelineConfig(_Strict):
                 f"({procs})"
             )
         _heads_divide(self.hidden_size, self.num_heads)
+        if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:
+            raise ValueError(
+                f"nproc_per_node ({self.nproc_per_node}) is more than gpus_per_node "
+                f"({self.gpus_per_node}): each training process needs its own GPU"
+            )
+        if self.fabric != "tcp" and not self.gpus_per_node:
+            raise ValueError(
+                f"fabric={self.fabric} needs gpus_per_node > 0 (RDMA carries NCCL's GPU traffic)"
+            )
+        if self.tune_trials and self.tune_max_failed >= self.tune_trials:
+            raise ValueError(
+                f"tune_max_failed ({self.tune_max_failed}) must be below tune_trials "
+                f"({self.tune_trials})"
+            )
         return self
 
 

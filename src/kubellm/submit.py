@@ -39,6 +39,7 @@ def submit(args: argparse.Namespace) -> int:
             run_name=run_name,
             experiment_name=args.experiment,
             namespace=args.namespace,
+            service_account=args.service_account or None,
         )
     except kfp_server_api.ApiException as err:
         raise ConfigError(

@@ -1,6 +1,7 @@
-"""The Dockerfiles under containers/: hadolint-clean, base images pinned by tag, and a final
-numeric non-root USER. Docker itself is not needed (nor available where CI runs): these
-are static checks.
+"""containers/Dockerfile: three images (targets runtime, serving, trainer) on one shared
+base stage. Each is hadolint-clean, pins its base image by tag and torch by version, and
+ends as a numeric non-root USER; `make images` builds exactly those targets. Docker
+itself is not needed (nor available where CI runs): these are static checks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CONTAINERS = REPO / "containers"
 HADOLINT_CONFIG = CONTAINERS / ".hadolint.yaml"
-DOCKERFILES = sorted(p.parent.name for p in CONTAINERS.glob("*/Dockerfile"))
+DOCKERFILE = CONTAINERS / "Dockerfile"
+TARGETS = ["runtime", "serving", "trainer"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    parent: str  # the image or stage it starts FROM (ARGs substituted)
+    instructions: list[Instruction]
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,55 @@ def parse(text: str) -> list[Instruction]:
         buf = []
     assert not buf, "the Dockerfile ends inside a continued instruction"
     return out
+
+
+def global_args(instructions: list[Instruction]) -> dict[str, str]:
+    """ARGs declared before the first FROM, with their defaults (they feed FROM lines)."""
+    args: dict[str, str] = {}
+    for ins in instructions:
+        if ins.keyword == "FROM":
+            break
+        if ins.keyword == "ARG":
+            name, _, default = ins.args.partition("=")
+            args[name.strip()] = default.strip().strip('"')
+    return args
+
+
+def _substitute(text: str, args: dict[str, str]) -> str:
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: args.get(m.group(1), m.group(0)), text)
+
+
+def stages(instructions: list[Instruction]) -> list[Stage]:
+    """The build stages in order, each with the instructions after its FROM."""
+    args = global_args(instructions)
+    out: list[Stage] = []
+    for ins in instructions:
+        if ins.keyword == "FROM":
+            words = [w for w in ins.args.split() if not w.startswith("--")]
+            name = words[2].lower() if len(words) >= 3 and words[1].lower() == "as" else ""
+            out.append(Stage(name or f"<stage {len(out)}>", _substitute(words[0], args), []))
+        elif out:
+            out[-1].instructions.append(ins)
+    return out
+
+
+def chain(instructions: list[Instruction], target: str | None = None) -> list[Stage]:
+    """The stages an image is built from, root first: `target` (default: the last stage),
+    its parent stage, that stage's parent, ..."""
+    by_name = {s.name: s for s in stages(instructions)}
+    assert by_name, "no FROM"
+    stage = by_name[target] if target else list(by_name.values())[-1]
+    out = [stage]
+    while stage.parent.lower() in by_name:
+        stage = by_name[stage.parent.lower()]
+        assert stage not in out, f"stage loop at {stage.name}"
+        out.append(stage)
+    return out[::-1]
+
+
+def image_instructions(instructions: list[Instruction], target: str) -> list[Instruction]:
+    """Every instruction that goes into `target`'s image, in build order."""
+    return [ins for stage in chain(instructions, target) for ins in stage.instructions]
 
 
 def base_image_problems(instructions: list[Instruction]) -> list[str]:
@@ -86,11 +144,16 @@ def base_image_problems(instructions: list[Instruction]) -> list[str]:
     return problems
 
 
-def final_user_problems(instructions: list[Instruction]) -> list[str]:
-    """The last stage must switch to a numeric, non-zero UID (Kubernetes' runAsNonRoot
-    can only verify a numeric user)."""
-    last_from = max((i for i, ins in enumerate(instructions) if ins.keyword == "FROM"), default=-1)
-    users = [ins for ins in instructions[last_from + 1 :] if ins.keyword == "USER"]
+def final_user_problems(instructions: list[Instruction], target: str | None = None) -> list[str]:
+    """The image of `target` (default: the last stage) must run as a numeric, non-zero UID
+    (Kubernetes' runAsNonRoot can only verify a numeric user). A USER set in a parent
+    stage carries over; one in an unrelated stage does not."""
+    users = [
+        ins
+        for stage in chain(instructions, target)
+        for ins in stage.instructions
+        if ins.keyword == "USER"
+    ]
     if not users:
         return ["the final stage sets no USER (it would run as root)"]
     user = users[-1].args
@@ -100,6 +163,25 @@ def final_user_problems(instructions: list[Instruction]) -> list[str]:
     if int(m.group(1)) == 0:
         return ["USER is root (UID 0)"]
     return []
+
+
+def undeclared_args(instructions: list[Instruction]) -> list[str]:
+    """${VAR} used in a stage that does not declare ARG VAR (a global ARG is not in scope
+    inside a stage until redeclared; it would expand to an empty string)."""
+    problems = []
+    for stage in stages(instructions):
+        declared: set[str] = set()
+        env: set[str] = set()
+        for ins in stage.instructions:
+            if ins.keyword == "ARG":
+                declared.add(ins.args.partition("=")[0].strip())
+            if ins.keyword == "ENV":
+                env |= set(re.findall(r"(\w+)=", ins.args))
+            if ins.keyword in ("RUN", "COPY", "ENV", "WORKDIR", "USER"):
+                for var in re.findall(r"\$\{?(\w+)\}?", ins.args):
+                    if var not in declared | env | {"PATH", "HOME"}:
+                        problems.append(f"stage {stage.name}: line {ins.line} uses ${var}")
+    return problems
 
 
 def hadolint_binary() -> str:
@@ -122,91 +204,140 @@ def hadolint(dockerfile: Path | None, text: str | None = None) -> subprocess.Com
     )
 
 
-def read(name: str) -> list[Instruction]:
-    return parse((CONTAINERS / name / "Dockerfile").read_text(encoding="utf-8"))
+def read() -> list[Instruction]:
+    return parse(DOCKERFILE.read_text(encoding="utf-8"))
 
 
-# --------------------------------------------------------------------------- the shipped files
+def runs(instructions: list[Instruction]) -> str:
+    return " ".join(ins.args for ins in instructions if ins.keyword == "RUN")
 
 
-def test_the_three_images_are_shipped() -> None:
-    assert DOCKERFILES == ["runtime", "serving", "trainer"]
+# --------------------------------------------------------------------------- the shipped file
+
+
+def test_one_dockerfile_with_the_three_targets_on_one_base() -> None:
+    assert sorted(p.relative_to(CONTAINERS).as_posix() for p in CONTAINERS.rglob("Dockerfile")) == [
+        "Dockerfile"
+    ], "one Dockerfile, with a target per image"
     assert (CONTAINERS / "README.md").is_file()
+    names = [s.name for s in stages(read())]
+    assert len(names) == len(set(names)), f"duplicate stage names: {names}"
+    assert set(TARGETS) <= set(names), names
+    for target in TARGETS:
+        assert chain(read(), target)[0].name == "base", f"{target} is not built on base"
+    # Only base starts from an image; every other stage builds on a stage.
+    assert [s.name for s in stages(read()) if s.parent.lower() not in names] == ["base"]
 
 
-@pytest.mark.parametrize("name", DOCKERFILES)
-def test_hadolint_passes(name: str) -> None:
-    proc = hadolint(CONTAINERS / name / "Dockerfile")
+def test_hadolint_passes() -> None:
+    proc = hadolint(DOCKERFILE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("name", DOCKERFILES)
-def test_base_image_pinned_by_tag(name: str) -> None:
-    assert base_image_problems(read(name)) == []
+def test_base_image_pinned_by_tag() -> None:
+    assert base_image_problems(read()) == []
+    (base,) = [s.parent for s in stages(read()) if s.name == "base"]
+    # Every image is Python 3.11 on Debian slim, pinned to a patch release.
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base), base
 
 
-@pytest.mark.parametrize("name", DOCKERFILES)
-def test_ends_as_numeric_non_root_user(name: str) -> None:
-    assert final_user_problems(read(name)) == []
+@pytest.mark.parametrize("target", TARGETS)
+def test_ends_as_numeric_non_root_user(target: str) -> None:
+    assert final_user_problems(read(), target) == []
+    users = [i.args for i in image_instructions(read(), target) if i.keyword == "USER"]
+    assert users[-1] == "10001:10001"
 
 
-@pytest.mark.parametrize("name", DOCKERFILES)
-def test_installs_kubellm_from_source_with_a_pinned_torch(name: str) -> None:
-    instructions = read(name)
+def test_every_stage_declares_the_args_it_uses() -> None:
+    assert undeclared_args(read()) == []
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_installs_kubellm_from_source_with_a_pinned_torch(target: str) -> None:
+    instructions = image_instructions(read(), target)
     copies = " ".join(ins.args for ins in instructions if ins.keyword == "COPY")
     for path in ("pyproject.toml", "README.md", "src"):
-        assert path in copies.split(), f"{name} does not copy {path}"
-    runs = [ins.args for ins in instructions if ins.keyword == "RUN"]
-    assert any("pip install" in r and re.search(r"\s\.(\s|$)", r) for r in runs), (
-        f"{name} does not pip install the copied source"
+        assert path in copies.split(), f"{target} does not copy {path}"
+    run_args = [ins.args for ins in instructions if ins.keyword == "RUN"]
+    assert any("pip install" in r and re.search(r"\s\.(\s|$)", r) for r in run_args), (
+        f"{target} does not pip install the copied source"
     )
-    assert any(re.search(r'"?torch==\$\{TORCH_VERSION\}"?', r) for r in runs)
-    args = {
-        ins.args.partition("=")[0]: ins.args.partition("=")[2]
-        for ins in instructions
-        if ins.keyword == "ARG"
-    }
-    assert re.fullmatch(r"\d+\.\d+\.\d+", args.get("TORCH_VERSION", "")), "torch is not pinned"
-    assert all("--no-cache-dir" in r for r in runs if "pip install" in r), "pip keeps its cache"
+    # torch first from its own index, then again (same pin) with kubellm.
+    torch_installs = [r for r in run_args if re.search(r'"?torch==\$\{TORCH_VERSION\}"?', r)]
+    assert len(torch_installs) == 2, torch_installs
+    assert "--index-url" in torch_installs[0] and "--index-url" not in torch_installs[1]
+    assert all("--no-cache-dir" in r for r in run_args if "pip install" in r), "pip keeps its cache"
+    version = global_args(read()).get("TORCH_VERSION", "")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), "torch is not pinned"
 
 
-@pytest.mark.parametrize("name", ["runtime", "serving"])
-def test_cpu_images_use_slim_python_and_cpu_torch(name: str) -> None:
-    instructions = read(name)
-    (base,) = [ins.args for ins in instructions if ins.keyword == "FROM"]
-    assert re.fullmatch(r"python:3\.11(\.\d+)?-slim(-\w+)?", base), base
-    runs = " ".join(ins.args for ins in instructions if ins.keyword == "RUN")
-    assert "--index-url https://download.pytorch.org/whl/cpu" in runs
+def test_torch_matches_the_makefile_pin() -> None:
+    makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+    pin = re.search(r"^TORCH_PIN \?= torch==(\S+)$", makefile, re.M)
+    assert pin, "TORCH_PIN not found in the Makefile"
+    assert global_args(read())["TORCH_VERSION"] == pin.group(1)
 
 
-def test_trainer_has_cuda_base_and_rdma_userspace() -> None:
-    instructions = read("trainer")
-    (base,) = [ins.args for ins in instructions if ins.keyword == "FROM"]
-    assert base.startswith(("nvidia/cuda:", "nvcr.io/nvidia/")), base
-    runs = " ".join(ins.args for ins in instructions if ins.keyword == "RUN")
+def test_kubellm_install_is_the_same_in_every_image() -> None:
+    def install(target: str) -> list[tuple[str, str]]:
+        return [
+            (i.keyword, i.args)
+            for i in image_instructions(read(), target)
+            if i.keyword == "COPY"
+            or (i.keyword == "RUN" and "pip install" in i.args and " ." in i.args)
+        ]
+
+    assert install("runtime") == install("serving") == install("trainer")
+
+
+@pytest.mark.parametrize("target", ["runtime", "serving"])
+def test_cpu_images_use_cpu_torch(target: str) -> None:
+    text = runs(image_instructions(read(), target))
+    assert "--index-url https://download.pytorch.org/whl/cpu" in text
+    assert "cu1" not in text and "TORCH_CUDA_INDEX" not in text
+    assert "apt-get" not in text, "the CPU images need no system packages"
+
+
+def test_trainer_has_cuda_torch_and_rdma_userspace() -> None:
+    instructions = image_instructions(read(), "trainer")
+    text = runs(instructions)
     for package in ("rdma-core", "libibverbs1", "ibverbs-providers"):
-        assert re.search(rf"\s{re.escape(package)}(\s|$)", runs), f"{package} not installed"
-    assert "rm -rf /var/lib/apt/lists/*" in runs, "apt lists left in the image"
+        assert re.search(rf"\s{re.escape(package)}(\s|$)", text), f"{package} not installed"
+    assert "rm -rf /var/lib/apt/lists/*" in text, "apt lists left in the image"
+    assert "whl/cpu" not in text
+    args = {
+        i.args.partition("=")[0]: i.args.partition("=")[2]
+        for i in instructions
+        if i.keyword == "ARG"
+    }
+    assert args["TORCH_CUDA_INDEX"] == "https://download.pytorch.org/whl/cu130"
+    assert '--index-url "${TORCH_CUDA_INDEX}"' in text
+    env = " ".join(i.args for i in instructions if i.keyword == "ENV")
+    assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in env
+    assert "NVIDIA_VISIBLE_DEVICES" not in env, "the device plugin sets it per pod"
 
 
 def test_serving_entrypoint_and_port() -> None:
-    instructions = read("serving")
-    assert [ins.args for ins in instructions if ins.keyword == "EXPOSE"] == ["8080"]
-    (entrypoint,) = [ins.args for ins in instructions if ins.keyword == "ENTRYPOINT"]
+    serving = image_instructions(read(), "serving")
+    assert [ins.args for ins in serving if ins.keyword == "EXPOSE"] == ["8080"]
+    (entrypoint,) = [ins.args for ins in serving if ins.keyword == "ENTRYPOINT"]
     assert entrypoint == '["kubellm", "serve"]'
+    for other in ("runtime", "trainer"):
+        kinds = {ins.keyword for ins in image_instructions(read(), other)}
+        assert not kinds & {"EXPOSE", "ENTRYPOINT"}, f"{other} serves"
 
 
-@pytest.mark.parametrize("name", DOCKERFILES)
-def test_build_context_is_trimmed(name: str) -> None:
+def test_build_context_is_trimmed() -> None:
     """BuildKit reads <Dockerfile>.dockerignore; the repository root holds .venv and runs/."""
-    ignore = CONTAINERS / name / "Dockerfile.dockerignore"
+    ignore = CONTAINERS / "Dockerfile.dockerignore"
     patterns = [
         line.strip()
         for line in ignore.read_text(encoding="utf-8").splitlines()
         if line.strip() and not line.startswith("#")
     ]
     assert patterns[0] == "*", "start from excluding everything, then allow what is copied"
-    assert not any(p.startswith("!") and ".venv" in p for p in patterns)
+    allowed = sorted(p[1:].rstrip("/") for p in patterns if p.startswith("!"))
+    assert allowed == ["README.md", "pyproject.toml", "src"], allowed
 
 
 def test_every_hadolint_ignore_is_justified() -> None:
@@ -216,6 +347,46 @@ def test_every_hadolint_ignore_is_justified() -> None:
         assert n > 0 and lines[n - 1].strip().startswith("#"), f"{line.strip()}: no reason"
 
 
+# --------------------------------------------------------------------------- make images
+
+
+def _make_n(*args: str) -> list[str]:
+    make = shutil.which("make")
+    assert make, "make is not installed"
+    proc = subprocess.run(
+        [make, "-n", "-C", str(REPO), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [line for line in proc.stdout.splitlines() if line.startswith("docker ")]
+
+
+def test_make_images_builds_the_three_targets() -> None:
+    builds = _make_n("images", "REGISTRY=r", "TAG=t")
+    assert len(builds) == 3, builds
+    for line, target in zip(builds, TARGETS, strict=True):
+        words = line.split()
+        assert words[:2] == ["docker", "build"], line
+        assert words[words.index("-f") + 1] == "containers/Dockerfile", line
+        assert words[words.index("--target") + 1] == target, line
+        assert words[words.index("-t") + 1] == f"r/{target}:t", line
+        assert f"TORCH_VERSION={global_args(read())['TORCH_VERSION']}" in words, line
+        assert words[-1] == ".", "the context is the repository root"
+
+
+def test_make_images_push_pushes_what_it_built() -> None:
+    lines = _make_n("images-push", "REGISTRY=r", "TAG=t")
+    pushes = [line for line in lines if line.startswith("docker push ")]
+    assert pushes == [f"docker push r/{t}:t" for t in TARGETS], lines
+    for target in TARGETS:
+        built = next(i for i, line in enumerate(lines) if f"--target {target} " in line)
+        pushed = lines.index(f"docker push r/{target}:t")
+        assert built < pushed, "pushed before it was built"
+
+
 # --------------------------------------------------------------------------- the checks themselves
 
 
@@ -223,7 +394,7 @@ def test_every_hadolint_ignore_is_justified() -> None:
 class BadDockerfile:
     what: str
     text: str
-    problem: str  # "base" or "user"
+    problem: str  # "base", "user" or "args"
 
 
 @pytest.mark.parametrize(
@@ -242,13 +413,28 @@ class BadDockerfile:
             "FROM python:3.11-slim AS b\nUSER 1000\nFROM python:3.11-slim\nRUN true\n",
             "user",
         ),
+        BadDockerfile(
+            "root in a child stage",
+            "FROM python:3.11-slim AS b\nUSER 1000\nFROM b AS c\nUSER 0\n",
+            "user",
+        ),
+        BadDockerfile(
+            "user in a sibling stage",
+            "FROM python:3.11-slim AS b\nFROM b AS x\nUSER 1000\nFROM b AS c\nRUN true\n",
+            "user",
+        ),
+        BadDockerfile(
+            "global ARG not redeclared",
+            "ARG V=1\nFROM python:3.11-slim\nRUN pip install --no-cache-dir foo==${V}\n",
+            "args",
+        ),
     ],
     ids=lambda c: c.what,
 )
 def test_checks_reject(case: BadDockerfile) -> None:
     instructions = parse(case.text)
-    check = base_image_problems if case.problem == "base" else final_user_problems
-    assert check(instructions), case.text
+    checks = {"base": base_image_problems, "user": final_user_problems, "args": undeclared_args}
+    assert checks[case.problem](instructions), case.text
 
 
 def test_checks_accept_stages_and_digests() -> None:
@@ -267,6 +453,24 @@ def test_checks_accept_stages_and_digests() -> None:
     assert instructions[2].args == "pip install foo==1"
     assert base_image_problems(instructions) == []
     assert final_user_problems(instructions) == []
+
+
+def test_a_user_set_in_a_parent_stage_carries_over() -> None:
+    text = (
+        "ARG V=1\n"
+        "FROM python:3.11.13-slim AS base\n"
+        "USER 10001\n"
+        "FROM base AS cpu\n"
+        "ARG V\n"
+        "RUN pip install --no-cache-dir foo==${V}\n"
+        "FROM cpu AS app\n"
+        "FROM python:3.11.13-slim AS other\n"
+    )
+    instructions = parse(text)
+    assert [s.name for s in chain(instructions, "app")] == ["base", "cpu", "app"]
+    assert final_user_problems(instructions, "app") == []
+    assert final_user_problems(instructions), "the last stage, other, sets no USER"
+    assert undeclared_args(instructions) == []
 
 
 def test_hadolint_catches_a_bad_dockerfile() -> None:

@@ -46,6 +46,7 @@ _OBJECT_META = {
     "selfLink",
 }
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# DNS-1035 label: Katib's experiment names and the PyTorchJob webhook's job names.
 _KATIB_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _PLACEHOLDER = re.compile(r"\$\{trialParameters\.([^}]*)\}")
 
@@ -218,6 +219,10 @@ def pytorchjob_semantics(body: dict[str, Any], prefix: str = "") -> list[str]:
     """What the Training Operator's validating webhook rejects first."""
     p = f"{prefix}." if prefix else ""
     errors = []
+    name = (body.get("metadata") or {}).get("name")
+    # pkg/webhooks/pytorch: validation.IsDNS1035Label(job name) (Katib names trial jobs).
+    if name is not None and (len(name) > 63 or not _KATIB_NAME.match(name)):
+        errors.append(f"{p}metadata.name: {name!r} is not a DNS-1035 label (PyTorchJob webhook)")
     specs = (body.get("spec") or {}).get("pytorchReplicaSpecs") or {}
     for rtype, rspec in specs.items():
         where = f"{p}spec.pytorchReplicaSpecs.{rtype}"
@@ -240,6 +245,11 @@ def katib_semantics(body: dict[str, Any]) -> list[str]:
     name = (body.get("metadata") or {}).get("name") or ""
     if not _KATIB_NAME.match(name):
         errors.append(f"metadata.name: {name!r} must start with a letter (Katib)")
+    # pkg/webhook/v1beta1/experiment/validator: "Name must be consisted of lower case
+    # alphanumeric characters or '-', start with an alphabetic character, and end with an
+    # alphanumeric character, and ... no more than 40 characters".
+    if len(name) > 40:
+        errors.append(f"metadata.name: {name!r} is longer than 40 characters (Katib)")
     counts = {
         k: spec.get(k) for k in ("maxTrialCount", "parallelTrialCount", "maxFailedTrialCount")
     }
@@ -313,6 +323,15 @@ def katib_semantics(body: dict[str, Any]) -> list[str]:
     return errors
 
 
+_POD_SPEC_CHECKS: dict[int, SchemaCheck] = {}
+
+
+def _pod_spec_check(schema: dict[str, Any]) -> SchemaCheck:
+    if id(schema) not in _POD_SPEC_CHECKS:
+        _POD_SPEC_CHECKS[id(schema)] = SchemaCheck(schema)
+    return _POD_SPEC_CHECKS[id(schema)]
+
+
 def validators(directory: Path) -> dict[str, Validator]:
     """plural -> body validator; each loads its schema on first use."""
 
@@ -338,7 +357,24 @@ def validators(directory: Path) -> dict[str, Validator]:
                 errors += job_check(trial, where) + pytorchjob_semantics(trial, where)
         return errors
 
+    def pod(body: dict[str, Any]) -> list[str]:
+        # No Pod schema is vendored; the PodSpec inside the PyTorchJob CRD is the real one.
+        template = crd_check(directory / PYTORCHJOB_CRD, "v1").schema["properties"]["spec"]
+        spec = template["properties"]["pytorchReplicaSpecs"]["additionalProperties"]
+        pod_spec = spec["properties"]["template"]["properties"]["spec"]
+        errors = metadata_errors(body)
+        errors += [e for e in _pod_spec_check(pod_spec)(body.get("spec") or {}, "spec")]
+        unknown = set(body) - {"apiVersion", "kind", "metadata", "spec", "status"}
+        return errors + [f"{k}: unknown field" for k in sorted(unknown)]
+
+    def trial(body: dict[str, Any]) -> list[str]:
+        # Katib creates Trials (nobody else may); its OpenAPI spec names them ".v1beta1.Trial".
+        check = swagger_check(directory / KATIB_SWAGGER, ".v1beta1.Trial")
+        return metadata_errors(body) + check(body)
+
     return {
+        "pods": pod,
+        "trials": trial,
         "pytorchjobs": pytorchjob,
         "inferenceservices": inferenceservice,
         "experiments": experiment,

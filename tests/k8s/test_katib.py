@@ -59,7 +59,7 @@ FAILED = {
         {
             "type": "Failed",
             "status": "True",
-            "reason": "ExperimentMaxFailedTrialsReached",
+            "reason": "ExperimentFailed",  # Katib's ExperimentFailedReason
             "message": "Experiment has failed because max failed count has reached",
         },
     ],
@@ -183,7 +183,10 @@ def test_experiment_embeds_the_trainers_pytorchjob(fake_k8s: FakeK8s) -> None:
     )
     assert template["failureCondition"] == 'status.conditions.#(type=="Failed")#|#(status=="True")#'
     assert template["trialSpec"]["kind"] == "PyTorchJob"
-    assert "metadata" not in template["trialSpec"]
+    # Katib names the trial's job; only labels are ours (name and namespace must be omitted)
+    assert template["trialSpec"]["metadata"] == {
+        "labels": {"app.kubernetes.io/managed-by": "kubellm"}
+    }
     container = trial_container(body)
     assert container["args"] == [
         "-m",
@@ -197,7 +200,7 @@ def test_experiment_embeds_the_trainers_pytorchjob(fake_k8s: FakeK8s) -> None:
 
 
 def test_counts_fit_katibs_limits(fake_k8s: FakeK8s) -> None:
-    body = build_experiment(request(max_trials=3, parallel_trials=8), max_failed_trials=10)
+    body = build_experiment(request(max_trials=3, parallel_trials=8, max_failed_trials=10))
     spec = body["spec"]
     assert (spec["parallelTrialCount"], spec["maxFailedTrialCount"]) == (3, 3)
     assert fake_k8s.validate("experiments", body) == []
@@ -208,7 +211,6 @@ def test_counts_fit_katibs_limits(fake_k8s: FakeK8s) -> None:
     [
         ({"space": []}, "search space is empty"),
         ({"max_trials": 0}, "max_trials"),
-        ({"name": "7b-tune"}, "starting with a letter"),
     ],
 )
 def test_requests_katib_would_reject_fail_early(overrides: dict[str, Any], message: str) -> None:
@@ -247,7 +249,9 @@ def test_success_without_an_objective_value_is_an_error(fake_k8s: FakeK8s) -> No
 def test_failed_experiment_raises_with_reason(fake_k8s: FakeK8s) -> None:
     fake_k8s.script_status("experiments", "llm-tune", [RUNNING, FAILED])
 
-    with pytest.raises(JobFailed, match="ExperimentMaxFailedTrialsReached") as info:
+    with pytest.raises(
+        JobFailed, match="ExperimentFailed: Experiment has failed because max failed count"
+    ) as info:
         KatibTuner(fake_k8s.api_client(), poll_interval_s=POLL_S).tune(request())
 
     assert not isinstance(info.value, JobTimeout)
@@ -264,3 +268,25 @@ def test_timeout_deletes_the_experiment(fake_k8s: FakeK8s) -> None:
 
     assert time.monotonic() - start < 3.0
     assert ("experiments", "default", "llm-tune") in fake_k8s.deleted
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {"eval_loss": 1.2345678, "perplexity": 3.43},
+        {"eval_loss": 1e-05, "step": 120.0},
+        {"loss": -0.5, "eval_loss": 12345678.0},  # exponent form at 6 significant digits
+    ],
+)
+def test_katibs_stdout_collector_reads_the_trainers_lines(metrics: dict[str, float]) -> None:
+    """Katib's StdOut collector parses trial output with its default filter
+    (`([\\w|-]+)\\s*=\\s*([+-]?\\d*(\\.\\d+)?([Ee][+-]?\\d+)?)`, pkg/metricscollector); the
+    value it reports must be the value kubellm's own parser reads from the same line."""
+    from fakes.katib_controller import parse_metrics as katib_parse
+    from kubellm.train.metric_lines import format_metrics, parse_metrics
+
+    log = f"train: 120/120 steps 0.8s\n{format_metrics(metrics)}\n"
+    ours = parse_metrics(log)
+    katib = katib_parse(log, list(metrics))
+    for name in metrics:
+        assert float(katib[name][-1]) == pytest.approx(ours[name], rel=1e-6), name

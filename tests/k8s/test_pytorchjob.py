@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -60,93 +59,26 @@ def job(**overrides: Any) -> TrainJob:
 
 
 def add_master_pod(fake: FakeK8s, name: str = "llm-train", log: str = LOG) -> None:
-    fake.add_pod(
-        "default",
-        f"{name}-master-0",
-        {
-            "training.kubeflow.org/job-name": name,
-            "training.kubeflow.org/replica-type": "master",
-            "training.kubeflow.org/replica-index": "0",
-            "training.kubeflow.org/job-role": "master",
-        },
-        log=log,
-    )
+    """The master pod the operator creates for job `name`, owned by it (controller: true),
+    added when the job is created; its log is what the trainer streams."""
 
+    def create_pod(fake: FakeK8s, job: dict[str, Any]) -> None:
+        if job["metadata"]["name"] == name:
+            fake.add_pod(
+                "default",
+                f"{name}-master-0",
+                {
+                    "training.kubeflow.org/job-name": name,
+                    "training.kubeflow.org/replica-type": "master",
+                    "training.kubeflow.org/replica-index": "0",
+                    "training.kubeflow.org/job-role": "master",
+                },
+                log=log,
+                owner=job,
+                spec={"containers": [{"name": "pytorch", "image": "trainer"}]},
+            )
 
-@dataclass
-class BuildCase:
-    name: str
-    job: TrainJob
-    workers: int | None
-    gpus: str | None
-    workspace: bool
-    env: dict[str, str] = field(default_factory=dict)
-
-
-BUILD_CASES = [
-    BuildCase("single-node-cpu", job(), workers=None, gpus=None, workspace=False),
-    BuildCase(
-        "multi-node-gpu-pvc",
-        job(
-            nnodes=3,
-            nproc_per_node=8,
-            gpus_per_node=8,
-            workspace_pvc="ws",
-            env={"NCCL_DEBUG": "INFO"},
-        ),
-        workers=2,
-        gpus="8",
-        workspace=True,
-        env={"NCCL_DEBUG": "INFO"},
-    ),
-    BuildCase(
-        "preflight-module",
-        job(module="kubellm.train.fabric", nnodes=2, train_args=["--min-busbw", "10"]),
-        workers=1,
-        gpus=None,
-        workspace=False,
-    ),
-]
-
-
-@pytest.mark.parametrize("case", BUILD_CASES, ids=lambda c: c.name)
-def test_manifest_shape_and_schema(case: BuildCase, fake_k8s: FakeK8s) -> None:
-    body = pytorchjob_manifest(case.job)
-    assert fake_k8s.validate("pytorchjobs", body) == []
-    specs = body["spec"]["pytorchReplicaSpecs"]
-    assert body["spec"]["nprocPerNode"] == str(case.job.nproc_per_node)
-    assert specs["Master"]["replicas"] == 1
-    assert specs.get("Worker", {}).get("replicas") == case.workers
-    for rspec in specs.values():
-        assert rspec["restartPolicy"] == "ExitCode"
-        pod = rspec["template"]["spec"]
-        assert pod["securityContext"]["runAsNonRoot"] is True
-        (container,) = pod["containers"]
-        assert container["name"] == "pytorch"
-        assert container["image"] == case.job.image
-        assert [*container["command"], *container["args"]] == [
-            "python",
-            "-m",
-            "kubellm.train.agent",
-            "-m",
-            case.job.module,
-            *case.job.train_args,
-        ]
-        env = {e["name"]: e["value"] for e in container["env"]}
-        assert case.env.items() <= env.items()
-        assert container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") == case.gpus
-        nccl = [e["configMapRef"] for e in container.get("envFrom", [])]
-        assert nccl == ([{"name": "kubellm-nccl-env", "optional": True}] if case.gpus else [])
-        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-        claims = {
-            v["name"]: v["persistentVolumeClaim"]["claimName"]
-            for v in pod["volumes"]
-            if "persistentVolumeClaim" in v
-        }
-        if case.workspace:
-            assert claims[mounts["/workspace"]] == case.job.workspace_pvc
-        else:
-            assert "/workspace" not in mounts and not claims
+    fake.on_create("pytorchjobs", create_pod)
 
 
 def test_manifest_needs_an_image() -> None:
@@ -223,10 +155,6 @@ def test_transient_api_errors_while_polling_are_retried(fake_k8s: FakeK8s) -> No
 
 
 def test_rejected_create_is_a_job_failure(fake_k8s: FakeK8s) -> None:
-    fake_k8s.script_status("pytorchjobs", "llm-train", [SUCCEEDED])
-    add_master_pod(fake_k8s)
-    trainer = PyTorchJobTrainer(fake_k8s.api_client(), poll_interval_s=POLL_S)
-    trainer.run(job())
-
-    with pytest.raises(JobFailed, match=r"HTTP 409.*already exists"):
-        trainer.run(job())
+    fake_k8s.fail("POST", "/pytorchjobs", 422)
+    with pytest.raises(JobFailed, match=r"was not created: HTTP 422 injected by the test"):
+        PyTorchJobTrainer(fake_k8s.api_client(), poll_interval_s=POLL_S).run(job())

@@ -3,12 +3,18 @@ the security posture we promise (non-root, no escalation, least-privilege RBAC, 
 
 Rendering needs `kubectl` (its built-in kustomize); without it those tests skip, saying so.
 Schema validation uses `kubernetes-validate` (strict: unknown fields fail, as with
-`kubectl apply --validate=strict`) at a pinned Kubernetes version.
+`kubectl apply --validate=strict`) at a pinned Kubernetes version. Every rendering also
+passes checkov (`checkov_check.py`, run from its own venv `.venv-checkov`, which `make
+checkov` creates), and the pods we ship meet the Pod Security level each overlay enforces
+(`psa.py`).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -18,6 +24,9 @@ from typing import Any
 
 import pytest
 import yaml
+
+from .checkov_check import checkov_available, checkov_failures
+from .psa import psa_violations
 
 REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = REPO / "manifests"
@@ -77,23 +86,44 @@ CLUSTER_SCOPED_KINDS = {
     "PriorityClass",
 }
 
-# Exactly what the pipeline's Role grants: (apiGroup, resource) -> verbs.
-EXPECTED_PIPELINE_RULES: dict[tuple[str, str], set[str]] = {
-    ("kubeflow.org", "pytorchjobs"): {"create", "get", "list", "watch", "delete"},
-    ("katib.kubeflow.org", "experiments"): {"create", "get", "list", "watch", "delete"},
-    ("katib.kubeflow.org", "trials"): {"get", "list"},
-    ("serving.kserve.io", "inferenceservices"): {
-        "create",
-        "get",
-        "list",
-        "watch",
-        "delete",
-        "patch",
-    },
-    ("", "pods"): {"get", "list"},
-    ("", "pods/log"): {"get"},
+# Exactly what the pipeline's Role grants: (apiGroup, resource) -> verbs; a missing or an
+# extra verb fails. The fake API server (tests/fakes/fake_k8s.py) enforces the Role in
+# manifests/base/rbac.yaml on every request the launchers send, so a verb kubellm's code
+# uses but this table (and the Role) lacks fails those tests too.
+CLIENT_VERBS: dict[tuple[str, str], frozenset[str]] = {
+    ("kubeflow.org", "pytorchjobs"): frozenset({"create", "get", "list", "watch", "delete"}),
+    ("kubeflow.org", "experiments"): frozenset({"create", "get", "list", "watch", "delete"}),
+    ("kubeflow.org", "trials"): frozenset({"get", "list", "watch"}),
+    ("serving.kserve.io", "inferenceservices"): frozenset(
+        {"create", "get", "list", "watch", "update", "patch", "delete"}
+    ),
+    ("", "pods"): frozenset({"get", "list", "watch"}),
+    ("", "pods/log"): frozenset({"get"}),
+    # Argo Workflows' executor in every step pod (not kubellm's code).
+    ("argoproj.io", "workflowtaskresults"): frozenset({"create", "patch"}),
 }
 
+# Resources of the core API group ("") the Role may name.
+CORE_RESOURCES = frozenset({"pods", "pods/log"})
+# Resources of APIs whose schemas are not vendored, each with the upstream source that
+# says the resource exists and what needs it.
+DOCUMENTED_RESOURCES: dict[tuple[str, str], str] = {
+    ("argoproj.io", "workflowtaskresults"): (
+        "Argo Workflows >= 3.4: the executor's minimum RBAC, "
+        "https://github.com/argoproj/argo-workflows/blob/main/docs/workflow-rbac.md"
+    ),
+}
+CRDS_DIR = Path(os.environ.get("KUBELLM_CRDS_DIR") or REPO / "tests" / "fixtures" / "crds")
+KATIB_SWAGGER = "katib_v1beta1_swagger.json"
+KATIB_EXPERIMENT_CRD = "kubeflow.org_experiments.yaml"
+
+# The Pod Security level each kustomization enforces on the namespace.
+ENFORCE_LEVELS = {
+    "base": "baseline",
+    "overlays/single-node": "baseline",
+    "overlays/rdma": "privileged",
+}
+KATIB_INJECTION_LABEL = "katib.kubeflow.org/metrics-collector-injection"
 
 # --------------------------------------------------------------------------- helpers
 
@@ -215,13 +245,77 @@ def rbac_problems(role: dict[str, Any]) -> list[str]:
     return problems
 
 
+@functools.cache
+def served_custom_resources() -> dict[tuple[str, str], frozenset[str]]:
+    """(group, plural) -> subresources, of every custom resource in the vendored schemas.
+
+    A CRD names its group and plural (spec.group, spec.names.plural). Katib's swagger
+    names no group: its top-level kinds (those with apiVersion, kind, metadata and spec)
+    are served in the group of Katib's Experiment CRD, vendored from the same commit, with
+    the lower-case plural Katib's CRDs use (Trial -> trials).
+    """
+    served: dict[tuple[str, str], frozenset[str]] = {}
+    # libyaml's loader when present: the CRDs are megabytes of YAML.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    for path in sorted(CRDS_DIR.glob("*.yaml")):
+        for doc in yaml.load_all(path.read_text(encoding="utf-8"), Loader=loader):
+            if not doc or doc.get("kind") != "CustomResourceDefinition":
+                continue
+            spec = doc["spec"]
+            subresources = {
+                sub for v in spec.get("versions") or [] for sub in v.get("subresources") or {}
+            }
+            served[(spec["group"], spec["names"]["plural"])] = frozenset(subresources)
+    katib_crd = yaml.safe_load((CRDS_DIR / KATIB_EXPERIMENT_CRD).read_text(encoding="utf-8"))
+    katib_group = katib_crd["spec"]["group"]
+    swagger = json.loads((CRDS_DIR / KATIB_SWAGGER).read_text(encoding="utf-8"))
+    for key, schema in swagger["components"]["schemas"].items():
+        version, _, kind = key.lstrip(".").partition(".")
+        props = set((schema.get("properties") or {}).keys())
+        if version == "v1beta1" and {"apiVersion", "kind", "metadata", "spec"} <= props:
+            # The swagger says nothing of subresources: grant none on these.
+            served.setdefault((katib_group, kind.lower() + "s"), frozenset())
+    return served
+
+
+def unknown_resources(role: dict[str, Any]) -> list[str]:
+    """(apiGroup, resource) pairs in a Role that no API we know of serves."""
+    served = served_custom_resources()
+    problems = []
+    for rule in role.get("rules") or []:
+        for group in rule.get("apiGroups") or []:
+            for res in rule.get("resources") or []:
+                plural, _, sub = res.partition("/")
+                if group == "":
+                    known = res in CORE_RESOURCES
+                elif (group, res) in DOCUMENTED_RESOURCES:
+                    known = True
+                else:
+                    known = (group, plural) in served and (
+                        not sub or sub in served[(group, plural)]
+                    )
+                if not known:
+                    problems.append(f"no API serves {res!r} in group {group!r}")
+    return problems
+
+
+def granted_verbs(role: dict[str, Any]) -> dict[tuple[str, str], frozenset[str]]:
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role.get("rules") or []:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                granted.setdefault((group, res), set()).update(rule["verbs"])
+    return {k: frozenset(v) for k, v in granted.items()}
+
+
 # --------------------------------------------------------------------------- every shipped file
 
 
 def test_the_expected_manifests_are_shipped() -> None:
-    assert {"base", "overlays/rdma"} <= set(KUSTOMIZATIONS)
+    assert set(KUSTOMIZATIONS) == set(ENFORCE_LEVELS)
     assert "README.md" in {p.name for p in MANIFESTS.iterdir()}
-    assert (MANIFESTS / "overlays" / "rdma" / "README.md").is_file()
+    for overlay in ("rdma", "single-node"):
+        assert (MANIFESTS / "overlays" / overlay / "README.md").is_file(), overlay
 
 
 @pytest.mark.parametrize("relpath", YAML_FILES)
@@ -323,12 +417,16 @@ def test_rbac_is_namespaced_and_least_privilege(kustomization: str) -> None:
     problems = [f"{ident(r)}: {p}" for r in roles for p in rbac_problems(r)]
     assert not problems, "\n".join(problems)
 
-    granted: dict[tuple[str, str], set[str]] = {}
-    for rule in named(objects, "Role", "kubellm-pipeline")["rules"]:
-        for group in rule["apiGroups"]:
-            for res in rule["resources"]:
-                granted.setdefault((group, res), set()).update(rule["verbs"])
-    assert granted == EXPECTED_PIPELINE_RULES
+    role = named(objects, "Role", "kubellm-pipeline")
+    assert not unknown_resources(role), "\n".join(unknown_resources(role))
+    granted = granted_verbs(role)
+    missing = {k: v - granted.get(k, frozenset()) for k, v in CLIENT_VERBS.items()}
+    extra = {k: v - CLIENT_VERBS.get(k, frozenset()) for k, v in granted.items()}
+    lacking = {k: sorted(v) for k, v in missing.items() if v}
+    beyond = {k: sorted(v) for k, v in extra.items() if v}
+    assert not lacking, f"the Role lacks {lacking}"
+    assert not beyond, f"the Role grants more than CLIENT_VERBS: {beyond}"
+    assert granted == CLIENT_VERBS
 
     binding = named(objects, "RoleBinding", "kubellm-pipeline")
     assert binding["roleRef"] == {
@@ -433,30 +531,129 @@ def test_mlflow_server() -> None:
     assert pod["automountServiceAccountToken"] is False
 
 
-# --------------------------------------------------------------------------- rdma overlay
+# --------------------------------------------------------------------------- namespace, overlays
 
 
 @needs_kubectl
-def test_rdma_overlay_adds_nccl_settings_to_the_base() -> None:
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_namespace_labels(kustomization: str) -> None:
+    labels = named(render(kustomization), "Namespace", NAMESPACE)["metadata"]["labels"]
+    # Without it Katib injects no metrics collector and every trial ends MetricsUnavailable.
+    assert labels.get(KATIB_INJECTION_LABEL) == "enabled"
+    assert labels["pod-security.kubernetes.io/enforce"] == ENFORCE_LEVELS[kustomization]
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+    assert labels["pod-security.kubernetes.io/audit"] == "restricted"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_shipped_pods_meet_restricted(kustomization: str) -> None:
+    """What we ship meets "restricted" everywhere, so it is admitted at any enforce level
+    and the namespace's restricted warn/audit stays quiet for it."""
+    specs = list(pod_specs(render(kustomization)))
+    problems = [f"{who}: {p}" for who, spec in specs for p in psa_violations(spec, "restricted")]
+    assert not problems, "\n".join(problems)
+
+
+# A training container as the rdma overlay's README asks for: IPC_LOCK and nothing else.
+RDMA_TRAINING_POD: dict[str, Any] = {
+    "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+    "containers": [
+        {
+            "name": "pytorch",
+            "image": "ghcr.io/kubellm/trainer:0.1.0",
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]},
+            },
+        }
+    ],
+}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_rdma_training_pods_are_admitted_only_by_the_rdma_overlay(kustomization: str) -> None:
+    labels = named(render(kustomization), "Namespace", NAMESPACE)["metadata"]["labels"]
+    admitted = not psa_violations(RDMA_TRAINING_POD, labels["pod-security.kubernetes.io/enforce"])
+    assert admitted == (kustomization == "overlays/rdma")
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["overlays/rdma", "overlays/single-node"])
+def test_overlays_keep_every_base_object(overlay: str) -> None:
     base = {ident(o) for o in render("base")}
-    rdma = render("overlays/rdma")
-    assert base <= {ident(o) for o in rdma}, "the rdma overlay dropped base objects"
+    assert base == {ident(o) for o in render(overlay)}, f"{overlay} adds or drops objects"
 
-    env = named(rdma, "ConfigMap", "kubellm-nccl-env")["data"]
-    for key in (
-        "NCCL_IB_DISABLE",
-        "NCCL_NET_GDR_LEVEL",
-        "NCCL_IB_HCA",
-        "NCCL_SOCKET_IFNAME",
-        "NCCL_DEBUG",
-    ):
-        assert isinstance(env.get(key), str) and env[key], f"{key} missing or empty"
-    assert env["NCCL_IB_DISABLE"] == "0", "the RDMA overlay must not disable InfiniBand"
-    assert env["NCCL_DEBUG"] == "INFO"
 
-    # IPC_LOCK (needed by RDMA training pods) is outside Pod Security "baseline".
-    labels = named(rdma, "Namespace", NAMESPACE)["metadata"]["labels"]
-    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+@needs_kubectl
+def test_rdma_overlay_changes_only_the_enforce_level() -> None:
+    """NCCL settings come from the pipeline (`fabric`, `nccl_env`), not a ConfigMap."""
+    base, rdma = render("base"), render("overlays/rdma")
+    assert not [o for o in rdma if o["metadata"]["name"] == "kubellm-nccl-env"]
+    assert not (MANIFESTS / "overlays" / "rdma" / "nccl-env.yaml").exists()
+    changed = [ident(o) for o, b in zip(rdma, base, strict=True) if o != b]
+    assert changed == [f"Namespace/{NAMESPACE}"], changed
+
+
+@needs_kubectl
+def test_single_node_overlay() -> None:
+    objects = render("overlays/single-node")
+    workspace = named(objects, "PersistentVolumeClaim", "kubellm-workspace")
+    assert workspace["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert (
+        workspace["spec"]["resources"]
+        == named(render("base"), "PersistentVolumeClaim", "kubellm-workspace")["spec"]["resources"]
+    )
+    # The enforce level is restated (same as the base), so only the PVC differs.
+    changed = [ident(o) for o, b in zip(objects, render("base"), strict=True) if o != b]
+    assert changed == [f"PersistentVolumeClaim/{NAMESPACE}/kubellm-workspace"]
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        "fabric",
+        "rdma_resource",
+        "rdma/rdma_shared_device_a",
+        "nvidia.com/hostdev",
+        "rdma_count",
+        "network_annotation",
+        "k8s.v1.cni.cncf.io/networks",
+        "nccl_env",
+        "min_busbw_gbps",
+        "NCCL_IB_GID_INDEX=3",
+        "NCCL_DEBUG_SUBSYS=INIT,NET",
+        "What the cluster must provide",
+    ],
+)
+def test_rdma_readme_documents_the_pipeline_parameters(words: str) -> None:
+    text = (MANIFESTS / "overlays" / "rdma" / "README.md").read_text(encoding="utf-8")
+    assert words in text
+
+
+# --------------------------------------------------------------------------- checkov
+
+
+@needs_kubectl
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_checkov_passes(kustomization: str) -> None:
+    assert checkov_available(), "checkov is missing: run `make checkov` (make test does)"
+    text = yaml.safe_dump_all(render(kustomization), sort_keys=False)
+    failures = checkov_failures(text, kustomization)
+    assert not failures, "\n".join(failures)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_every_checkov_skip_is_justified(kustomization: str) -> None:
+    for obj in render(kustomization):
+        for key, value in (obj["metadata"].get("annotations") or {}).items():
+            if key.startswith("checkov.io/skip"):
+                check_id, sep, reason = value.partition("=")
+                assert re.fullmatch(r"CKV2?_K8S_\d+", check_id), f"{ident(obj)}: {value}"
+                assert sep and len(reason.split()) >= 3, f"{ident(obj)}: {key} has no reason"
+                assert "=" not in reason, f"{ident(obj)}: checkov splits {key} on '='"
 
 
 # --------------------------------------------------------------------------- the checks themselves
@@ -532,3 +729,52 @@ def test_container_check_rejects(case: BadPod) -> None:
 )
 def test_rbac_check_rejects(rule: dict[str, Any]) -> None:
     assert rbac_problems({"rules": [rule]})
+
+
+@pytest.mark.parametrize(
+    ("group", "resource"),
+    [
+        ("katib.kubeflow.org", "experiments"),  # Katib's label prefix, not its API group
+        ("katib.kubeflow.org", "trials"),
+        ("kubeflow.org", "pytorchjob"),  # the kind's singular, not the plural
+        ("kubeflow.org", "tfjobs"),  # a real resource, but no vendored schema serves it
+        ("serving.kubeflow.org", "inferenceservices"),  # KFServing's old group
+        ("", "services"),
+        ("argoproj.io", "workflows"),
+        ("kubeflow.org", "experiments/scale"),  # a subresource the CRD does not declare
+    ],
+)
+def test_unknown_resources_are_rejected(group: str, resource: str) -> None:
+    rule = {"apiGroups": [group], "resources": [resource], "verbs": ["get"]}
+    assert unknown_resources({"rules": [rule]}), (group, resource)
+
+
+def test_every_expected_resource_is_served() -> None:
+    """CLIENT_VERBS itself names only what the vendored schemas (or Argo's doc) serve."""
+    served = served_custom_resources()
+    assert ("kubeflow.org", "trials") in served, "Trial from Katib's swagger"
+    assert ("kubeflow.org", "experiments") in served
+    rules = [
+        {"apiGroups": [g], "resources": [r], "verbs": sorted(v)}
+        for (g, r), v in CLIENT_VERBS.items()
+    ]
+    assert unknown_resources({"rules": rules}) == []
+    assert granted_verbs({"rules": rules}) == CLIENT_VERBS
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["drop a verb", "add a verb", "add a resource"],
+)
+def test_a_changed_role_differs_from_the_table(change: str) -> None:
+    rules = [
+        {"apiGroups": [g], "resources": [r], "verbs": sorted(v)}
+        for (g, r), v in CLIENT_VERBS.items()
+    ]
+    if change == "drop a verb":
+        rules[0]["verbs"] = rules[0]["verbs"][1:]
+    elif change == "add a verb":
+        rules[0]["verbs"] = [*rules[0]["verbs"], "deletecollection"]
+    else:
+        rules.append({"apiGroups": [""], "resources": ["pods/log"], "verbs": ["list"]})
+    assert granted_verbs({"rules": rules}) != CLIENT_VERBS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,15 @@ from kubellm.config import PipelineConfig
 REPO = Path(__file__).resolve().parents[2]
 YAML = REPO / "pipelines" / "llm_train.yaml"
 KFP_TYPES = {int: "NUMBER_INTEGER", float: "NUMBER_DOUBLE", str: "STRING", bool: "BOOLEAN"}
+# Cluster values a platform team changes per cluster: each must reach the steps only as a
+# pipeline parameter, never as a constant compiled into the YAML.
+CLUSTER_PARAMETERS = (
+    "workspace_pvc",
+    "runtime_image",
+    "trainer_image",
+    "serving_image",
+    "namespace",
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +45,10 @@ def test_parameters_are_the_config_fields(spec: dict[str, Any]) -> None:
     assert set(params) == set(PipelineConfig.model_fields)
     for name, field in PipelineConfig.model_fields.items():
         declared = params[name]
-        kind = field.annotation if field.annotation in KFP_TYPES else str
-        assert declared["parameterType"] == KFP_TYPES[kind], name
-        assert declared["defaultValue"] == field.default, name
+        origin = typing.get_origin(field.annotation) or field.annotation
+        kinds = {**KFP_TYPES, dict: "STRUCT", list: "LIST"}
+        assert declared["parameterType"] == kinds.get(origin, "STRING"), name
+        assert declared["defaultValue"] == field.get_default(call_default_factory=True), name
         assert declared.get("description"), f"{name} has no description in the YAML"
     assert params["platform"]["defaultValue"] == "kubernetes"
 
@@ -83,16 +94,56 @@ def test_typed_artifacts(spec: dict[str, Any], component: str, output: str, sche
 
 
 def test_steps_run_in_the_runtime_image_without_pip(spec: dict[str, Any]) -> None:
+    default = spec["root"]["inputDefinitions"]["parameters"]["runtime_image"]["defaultValue"]
+    assert default.startswith("ghcr.io/kubellm/runtime:")
     for name, executor in spec["deploymentSpec"]["executors"].items():
         container = executor["container"]
-        assert container["image"].startswith("ghcr.io/kubellm/runtime:"), name
+        # the runtime_image parameter, resolved per run (PipelineTask.set_container_image)
+        assert container["image"] == "{{$.inputs.parameters['pipelinechannel--runtime_image']}}"
         assert "pip install" not in " ".join(container["command"]), name
+        resources = container["resources"]
+        assert resources["resourceCpuLimit"].endswith("['pipelinechannel--step_cpu']}}"), name
+        assert resources["resourceMemoryLimit"].endswith("['pipelinechannel--step_memory']}}")
 
 
 def test_cluster_wiring_uses_kubernetes_objects_not_parameters(spec: dict[str, Any]) -> None:
     executors = spec["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     train = executors["exec-train"]
     assert train["pvcMount"][0]["mountPath"] == "/workspace"
-    assert train["configMapAsEnv"][0]["configMapName"] == "kubellm-config"
+    assert train["pvcMount"][0]["pvcNameParameter"] == {
+        "componentInputParameter": "pipelinechannel--workspace_pvc"
+    }
+    (config,) = train["configMapAsEnv"]
+    assert config["configMapName"] == "kubellm-config" and config["optional"] is True
     assert train["secretAsEnv"][0]["secretName"] == "mlflow-credentials"
     assert train["secretAsEnv"][0].get("optional") is True
+    owner = {e["name"]: e["fieldPath"] for e in train["fieldPathAsEnv"]}
+    assert owner == {
+        "KUBELLM_POD_NAME": "metadata.name",
+        "KUBELLM_POD_UID": "metadata.uid",
+        "KUBELLM_POD_NAMESPACE": "metadata.namespace",
+    }
+    for name, executor in executors.items():
+        assert executor["securityContext"]["runAsNonRoot"] is True, name
+
+
+def _strings(node: Any, skip: frozenset[str] = frozenset({"inputDefinitions"})) -> list[str]:
+    if isinstance(node, dict):
+        return [s for k, v in node.items() if k not in skip for s in _strings(v, skip)]
+    if isinstance(node, list):
+        return [s for v in node for s in _strings(v, skip)]
+    return [node] if isinstance(node, str) else []
+
+
+def test_every_cluster_value_is_a_parameter(spec: dict[str, Any]) -> None:
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    compiled = _strings(spec)  # everything except the parameters' own declarations
+    for name in CLUSTER_PARAMETERS:
+        default = params[name]["defaultValue"]
+        assert default not in compiled, f"{name}'s value {default!r} is compiled into the YAML"
+    assert not any(s.startswith("ghcr.io/") for s in compiled), "an image is compiled in"
+
+
+def test_the_cluster_value_check_catches_a_constant(spec: dict[str, Any]) -> None:
+    broken = {**spec, "extra": {"pvcMount": [{"constant": "kubellm-workspace"}]}}
+    assert "kubellm-workspace" in _strings(broken)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -32,3 +33,23 @@ def test_invalid_parameter_fails_naming_it_before_any_run(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match=r"batch_size \(7\) must be divisible"):
         preflight.run(params, "bad-run")
     assert not (tmp_path / "runs").exists(), "a tracking store was created for an invalid config"
+
+
+@pytest.mark.parametrize(
+    ("params", "args"),
+    [
+        ({}, []),
+        ({"min_busbw_gbps": 40.5}, ["--min-busbw-gbps", "40.5"]),
+        (
+            {"platform": "kubernetes", "gpus_per_node": 2, "fabric": "roce"},
+            ["--require-rdma"],
+        ),
+        # locally there is no RDMA to require; the profile is for the cluster's pods
+        ({"platform": "local", "gpus_per_node": 2, "fabric": "rdma-ib"}, []),
+    ],
+)
+def test_fabric_check_flags_follow_the_parameters(params: dict[str, Any], args: list[str]) -> None:
+    from kubellm.config import pipeline_config
+    from kubellm.stages.preflight import fabric_args
+
+    assert fabric_args(pipeline_config(params)) == args

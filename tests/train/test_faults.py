@@ -166,3 +166,5 @@ def test_launcher_exit_codes() -> None:
     assert exit_code([2, -15], 2) == 2
     assert exit_code([1, 2], 1) == 1
     assert exit_code([-9], -9) == 1
+    assert exit_code([3, -15], 3) == 3  # the fabric check: no RDMA
+    assert exit_code([4], 4) == 4  # the fabric check: bus bandwidth too low

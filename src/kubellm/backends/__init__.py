@@ -13,9 +13,13 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kubellm.backends.base import Server, Trainer, Tuner, Workspace
 from kubellm.config import PipelineConfig
+
+if TYPE_CHECKING:
+    from kubellm.backends.kubernetes.podspec import ClusterSettings
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,13 @@ class Backends:
         return PvcWorkspace(self.cfg.workspace_pvc, self.kfp_run_id)
 
     @cached_property
+    def cluster_settings(self) -> ClusterSettings:
+        """Resources, placement and fabric of this run's job pods (cluster only)."""
+        from kubellm.backends.kubernetes.podspec import ClusterSettings
+
+        return ClusterSettings.from_config(self.cfg, self.kfp_run_id)
+
+    @cached_property
     def trainer(self) -> Trainer:
         if self.local:
             from kubellm.backends.local.torchrun import TorchrunTrainer
@@ -52,7 +63,7 @@ class Backends:
             return TorchrunTrainer()
         from kubellm.backends.kubernetes.pytorchjob import PyTorchJobTrainer
 
-        return PyTorchJobTrainer()
+        return PyTorchJobTrainer(cluster=self.cluster_settings)
 
     @cached_property
     def tuner(self) -> Tuner:
@@ -62,7 +73,7 @@ class Backends:
             return OptunaTuner(self.trainer)
         from kubellm.backends.kubernetes.katib import KatibTuner
 
-        return KatibTuner()
+        return KatibTuner(cluster=self.cluster_settings)
 
     @cached_property
     def server(self) -> Server:

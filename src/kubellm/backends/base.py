@@ -10,6 +10,8 @@ with the reason, and nothing waits past its timeout.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -21,6 +23,12 @@ from kubellm.tune.search import SearchParam, TuneResult
 
 # Where the shared workspace volume is mounted in step pods and job pods (cluster).
 WORKSPACE_MOUNT = "/workspace"
+
+
+def workspace_mount() -> str:
+    """WORKSPACE_MOUNT, or $KUBELLM_WORKSPACE_MOUNT: the simulated cluster in tests/fakes maps
+    the PVC to a local directory, and steps and job pods must agree on its path."""
+    return os.environ.get("KUBELLM_WORKSPACE_MOUNT") or WORKSPACE_MOUNT
 
 
 class JobFailed(RuntimeError):
@@ -57,7 +65,6 @@ class TrainJob:
     namespace: str = "default"
     env: dict[str, str] = field(default_factory=dict)
     workspace_pvc: str | None = None
-    gpus_per_node: int = 0
     # torchrun restarts the worker group this many times after a worker dies (local runs;
     # on a cluster the PyTorchJob's ExitCode restart policy and backoffLimit do this).
     max_restarts: int = 0
@@ -91,6 +98,9 @@ class TuneRequest:
     parallel_trials: int = 1
     seed: int = 0
     timeout_s: float = 3600.0
+    algorithm: Literal["random", "tpe", "bayesianoptimization", "grid"] = "tpe"
+    max_failed_trials: int | None = None  # None: max_trials - 1 (fail when no trial can)
+    early_stopping: bool = False  # median stopping (Katib's medianstop)
 
 
 class Tuner(ABC):
@@ -157,11 +167,28 @@ class Workspace(ABC):
         """How the server backend reaches a model directory at `path`."""
 
 
-def dns_name(*parts: str, max_len: int = 52) -> str:
-    """A DNS-1123 label from parts (Kubernetes object names; Katib needs room for suffixes)."""
+# Longest names the controllers accept for what they create from them: the Training
+# Operator names pods `<job>-worker-<i>` (a pod name and its Service must stay a 63-character
+# DNS-1035 label), Katib rejects Experiment names over 40 characters (its webhook: trial
+# names append 9 characters, their jobs' pods more).
+JOB_NAME_MAX = 50
+KATIB_NAME_MAX = 40
+
+
+def dns_name(*parts: str, max_len: int = JOB_NAME_MAX) -> str:
+    """A DNS-1035 label from parts: lowercase letters, digits and '-', starting with a letter
+    (the PyTorchJob webhook, Katib and KServe all require that), at most `max_len` long.
+
+    A name that has to be cut keeps its start and ends in 8 hex digits of the full name's
+    SHA-256, so two long names that differ only at the end stay different.
+    """
     raw = "-".join(p for p in parts if p).lower()
-    name = re.sub(r"[^a-z0-9-]+", "-", raw).strip("-")
-    name = re.sub(r"-{2,}", "-", name)[:max_len].strip("-")
+    name = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]+", "-", raw)).strip("-")
     if not name:
         raise ValueError(f"cannot make a Kubernetes name from {parts!r}")
+    if not name[0].isalpha():
+        name = f"k-{name}"
+    if len(name) > max_len:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+        name = f"{name[: max_len - 9].rstrip('-')}-{digest}"
     return name

@@ -105,6 +105,36 @@ class StageContext:
             out[run.data.tags.get(TAG_STAGE, run.info.run_name)] = run
         return out
 
+    @property
+    def plan(self) -> JobPlan:
+        return JobPlan(self.cfg, self.kfp_run_id, self.backends.workspace.pvc_name)
+
+    def job(
+        self,
+        name: str,
+        args: list[str],
+        module: str = "kubellm.train",
+        timeout_s: float | None = None,
+    ) -> TrainJob:
+        """A job of this run with the training topology, image and workspace."""
+        return self.plan.job(name, args, module, timeout_s)
+
+    def train_job(self, name: str, train_cfg: TrainConfig) -> TrainJob:
+        """A training job, its config written where jobs read it."""
+        path = self.backends.workspace.dir("config") / f"{name}.json"
+        path.write_text(train_cfg.model_dump_json(indent=2))
+        return self.plan.train_job(name, path)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The jobs of a run as the launchers receive them, without running anything: the
+    stages and `kubellm render` build them here, so what render prints is what runs."""
+
+    cfg: PipelineConfig
+    kfp_run_id: str
+    workspace_pvc: str | None
+
     def job(
         self,
         name: str,
@@ -113,8 +143,7 @@ class StageContext:
         timeout_s: float | None = None,
         env: dict[str, str] | None = None,
     ) -> TrainJob:
-        """A job of this run with the training topology, image and workspace; `timeout_s`
-        defaults to job_timeout_minutes."""
+        """`timeout_s` defaults to job_timeout_minutes."""
         cfg = self.cfg
         return TrainJob(
             name=dns_name(cfg.model_name, name, self.kfp_run_id[:12]),
@@ -126,15 +155,13 @@ class StageContext:
             image=cfg.trainer_image,
             namespace=cfg.namespace,
             env=env or {},
-            workspace_pvc=self.backends.workspace.pvc_name,
+            workspace_pvc=self.workspace_pvc,
         )
 
-    def train_job(self, name: str, train_cfg: TrainConfig) -> TrainJob:
-        """A training job, its config written where jobs read it."""
-        path = self.backends.workspace.dir("config") / f"{name}.json"
-        path.write_text(train_cfg.model_dump_json(indent=2))
+    def train_job(self, name: str, config_path: str | Path) -> TrainJob:
+        """A training job reading its TrainConfig from `config_path`; rank 0 logs to MLflow."""
         env = {"MLFLOW_TRACKING_URI": self.cfg.mlflow_tracking_uri}
-        return self.job(name, ["--config", str(path)], env=env)
+        return self.job(name, ["--config", str(config_path)], env=env)
 
 
 def write_json(path: str | Path, value: Any) -> None:

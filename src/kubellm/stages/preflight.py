@@ -6,14 +6,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubellm import backends
-from kubellm.config import pipeline_config
-from kubellm.stages.context import StageContext, StageResult, markdown_table, open_tracker
+from kubellm.backends.base import TrainJob
+from kubellm.config import PipelineConfig, pipeline_config
+from kubellm.stages.context import (
+    JobPlan,
+    StageContext,
+    StageResult,
+    markdown_table,
+    open_tracker,
+)
 
 
 @dataclass
 class Result(StageResult):
     config: str = ""  # the resolved PipelineConfig as JSON: every later stage's input
     parent_run_id: str = ""
+
+
+def fabric_args(cfg: PipelineConfig) -> list[str]:
+    """The fabric check's flags: RDMA required where the fabric profile asks for it (on the
+    cluster's GPUs), and the bus-bandwidth floor when one is set."""
+    args = []
+    if cfg.fabric != "tcp" and cfg.platform == "kubernetes":
+        args.append("--require-rdma")
+    if cfg.min_busbw_gbps > 0:
+        args += ["--min-busbw-gbps", f"{cfg.min_busbw_gbps:g}"]
+    return args
+
+
+def fabric_job(plan: JobPlan) -> TrainJob:
+    """The all-reduce check, with the training topology, on the training launcher."""
+    return plan.job("fabric", fabric_args(plan.cfg), module="kubellm.train.fabric", timeout_s=900.0)
 
 
 def run(params: dict[str, Any], kfp_run_id: str) -> Result:
@@ -24,9 +47,7 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
     parent = tracker.start_parent(f"{cfg.model_name}-{kfp_run_id}", cfg.model_dump())
     ctx = StageContext(cfg, tracker, parent, kfp_run_id)
     with ctx.stage("preflight") as run_id:
-        # the all-reduce check, with the training topology, on the training launcher
-        fabric = ctx.job("fabric", ["--mib", "4"], module="kubellm.train.fabric", timeout_s=600.0)
-        job = ctx.backends.trainer.run(fabric)
+        job = ctx.backends.trainer.run(fabric_job(ctx.plan))
         metrics = {k: v for k, v in job.metrics.items() if k.startswith("allreduce")}
         tracker.log(
             run_id,
@@ -45,6 +66,7 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
                     ("MLflow", cfg.mlflow_tracking_uri),
                     ("parent run", parent),
                     ("processes", f"{cfg.num_nodes} x {cfg.nproc_per_node}"),
+                    ("fabric", cfg.fabric),
                     ("all-reduce busbw (GB/s)", busbw),
                 ],
             ),

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kubellm.backends.base import TuneRequest
+from kubellm.backends.base import TrainJob, TuneRequest
+from kubellm.config import PipelineConfig
 from kubellm.stages.configs import train_config
 from kubellm.stages.context import StageContext, StageResult, markdown_table
 from kubellm.tune.search import SearchParam
@@ -29,6 +30,24 @@ class Result(StageResult):
     @property
     def hparams_json(self) -> str:
         return json.dumps(self.params, sort_keys=True)
+
+
+def tune_request(cfg: PipelineConfig, trial_job: TrainJob) -> TuneRequest:
+    """The search the tuner runs: SEARCH_SPACE over trials shaped like `trial_job`."""
+    return TuneRequest(
+        name=trial_job.name,
+        trial_job=trial_job,
+        space=SEARCH_SPACE,
+        max_trials=cfg.tune_trials,
+        objective=OBJECTIVE,
+        goal="minimize",
+        seed=cfg.seed,
+        timeout_s=cfg.job_timeout_minutes * 60.0,
+        algorithm=cfg.tune_algorithm,
+        parallel_trials=cfg.tune_parallel,
+        max_failed_trials=None if cfg.tune_max_failed < 0 else cfg.tune_max_failed,
+        early_stopping=cfg.tune_early_stopping,
+    )
 
 
 def run(ctx: StageContext, dataset_dir: str | Path) -> Result:
@@ -59,17 +78,7 @@ def run(ctx: StageContext, dataset_dir: str | Path) -> Result:
         for p in SEARCH_SPACE:  # every value a trial can get is a valid TrainConfig
             for bound in (p.low, p.high):
                 trial_cfg.with_values({p.name: bound})
-        job = ctx.train_job("tune", trial_cfg)
-        request = TuneRequest(
-            name=job.name,
-            trial_job=job,
-            space=SEARCH_SPACE,
-            max_trials=cfg.tune_trials,
-            objective=OBJECTIVE,
-            goal="minimize",
-            seed=cfg.seed,
-            timeout_s=cfg.job_timeout_minutes * 60.0,
-        )
+        request = tune_request(cfg, ctx.train_job("tune", trial_cfg))
         result = ctx.backends.tuner.tune(request)
         for i, trial in enumerate(result.trials):
             with ctx.tracker.stage(run_id, f"trial-{i}") as trial_run:

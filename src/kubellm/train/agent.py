@@ -15,6 +15,8 @@ Same arguments as torchrun (it is torchrun, run in this process). Three things d
 
     0                     training finished
     2                     bad config or data (the first worker to fail exited 2): not retried
+    3, 4                  the fabric check failed (no RDMA; bus bandwidth too low;
+                          kubellm.train.fabric): not retried
     200 (EXIT_PREEMPTED)  a worker checkpointed on SIGTERM / SIGUSR1, or this launcher was
                           told to stop (SIGTERM / SIGUSR1): retried, resumes the checkpoint
     1                     anything else (a crash): not retried
@@ -37,6 +39,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from kubellm.train.preempt import EXIT_PREEMPTED
 
 _HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# Worker exit codes that name a permanent failure; passed on as they are (1-127 are not
+# retried under the PyTorchJob's restartPolicy ExitCode).
+PERMANENT = (2, 3, 4)
 
 
 def exit_code(failure_codes: list[int], first: int) -> int:
@@ -46,7 +51,7 @@ def exit_code(failure_codes: list[int], first: int) -> int:
     """
     if EXIT_PREEMPTED in failure_codes:
         return EXIT_PREEMPTED
-    return 2 if first == 2 else 1
+    return first if first in PERMANENT else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ needs nothing from the tuner that runs it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -45,3 +46,25 @@ def trial_args(base: list[str], params: dict[str, float], space: list[SearchPara
         shown = str(int(value)) if kinds.get(name) == "int" else repr(float(value))
         out += ["--set", f"{name}={shown}"]
     return out
+
+
+def grid_points(max_trials: int, n_params: int) -> int:
+    """Points per parameter of a grid search of about `max_trials` points (at least 2)."""
+    return max(2, math.ceil(max_trials ** (1 / max(1, n_params))))
+
+
+def grid_step(p: SearchParam, points: int) -> float:
+    """The spacing of `points` evenly spaced values from p.low to p.high (ints: >= 1).
+
+    A grid is evenly spaced, also for parameters otherwise sampled log-uniformly (Katib's
+    grid takes a `step`, not a distribution)."""
+    if p.kind == "int":
+        return float(max(1, int(p.high - p.low) // (points - 1)))
+    return (p.high - p.low) / (points - 1)
+
+
+def grid_values(p: SearchParam, points: int) -> list[float]:
+    """The grid's values of `p`: low, low + step, ... up to high."""
+    step = grid_step(p, points)
+    n = math.floor((p.high - p.low) / step + 1e-9) + 1
+    return [p.low + i * step for i in range(n)]

@@ -45,6 +45,7 @@ INFERENCESERVICE = CustomResource(
 CONTAINER = "kserve-container"
 MODEL_DIR = "/mnt/models"
 PORT = 8080
+SCRATCH = "/tmp"
 RUN_TAG_ANNOTATION = "kubellm/run-tag"
 # Model states after which KServe will not become ready without a new spec.
 _BLOCKED = {"BlockedByFailedLoad", "InvalidSpec"}
@@ -63,12 +64,17 @@ def build_inferenceservice(
         image=request.image,
         command=["kubellm"],
         args=["serve", MODEL_DIR, "--name", request.name, "--host", "0.0.0.0", "--port", str(PORT)],
-        env=[k8s.V1EnvVar(name="STORAGE_URI", value=request.model_uri)],
+        env=[
+            k8s.V1EnvVar(name="STORAGE_URI", value=request.model_uri),
+            k8s.V1EnvVar(name="HOME", value=SCRATCH),
+        ],
         ports=[k8s.V1ContainerPort(container_port=PORT, protocol="TCP")],
         resources=k8s.V1ResourceRequirements(
-            requests={"cpu": cpu, "memory": memory}, limits={"memory": memory}
+            requests={"cpu": cpu, "memory": memory}, limits={"cpu": cpu, "memory": memory}
         ),
-        security_context=container_security(),
+        # A read-only root filesystem; the server's temporary files go to an emptyDir.
+        security_context=container_security(read_only_root=True),
+        volume_mounts=[k8s.V1VolumeMount(name="scratch", mount_path=SCRATCH)],
     )
     annotations = {RUN_TAG_ANNOTATION: request.run_tag} if request.run_tag else None
     isvc = V1beta1InferenceService(
@@ -83,8 +89,11 @@ def build_inferenceservice(
         spec=V1beta1InferenceServiceSpec(
             predictor=V1beta1PredictorSpec(
                 containers=[container],
+                volumes=[k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource())],
                 min_replicas=1,  # a model that scales to zero fails the smoke test's first call
                 security_context=pod_security(),
+                # The model server never calls the Kubernetes API: no token in the pod.
+                automount_service_account_token=False,
             )
         ),
     )

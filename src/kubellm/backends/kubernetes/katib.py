@@ -24,6 +24,7 @@ from kubeflow_katib_api.models import (
     V1beta1AlgorithmSetting,
     V1beta1AlgorithmSpec,
     V1beta1CollectorSpec,
+    V1beta1EarlyStoppingSpec,
     V1beta1Experiment,
     V1beta1ExperimentSpec,
     V1beta1FeasibleSpace,
@@ -36,19 +37,27 @@ from kubeflow_katib_api.models import (
 )
 from kubernetes import client as k8s
 
-from kubellm.backends.base import JobFailed, Tuner, TuneRequest, dns_name
+from kubellm.backends.base import KATIB_NAME_MAX, JobFailed, Tuner, TuneRequest, dns_name
 from kubellm.backends.kubernetes.client import (
     CustomResource,
     KubeClient,
     condition_is_true,
     find_condition,
 )
+from kubellm.backends.kubernetes.podspec import ClusterSettings
 from kubellm.backends.kubernetes.pytorchjob import (
     CONTAINER,
     MASTER_ROLE_LABELS,
     pytorchjob_manifest,
 )
-from kubellm.tune.search import SearchParam, Trial, TuneResult, trial_args
+from kubellm.tune.search import (
+    SearchParam,
+    Trial,
+    TuneResult,
+    grid_points,
+    grid_step,
+    trial_args,
+)
 
 # Katib serves its kinds under kubeflow.org (not katib.kubeflow.org, which is its label prefix).
 EXPERIMENT = CustomResource("kubeflow.org", "v1beta1", "experiments", "Experiment")
@@ -80,31 +89,49 @@ def placeholder_args(request: TuneRequest) -> list[str]:
     return out
 
 
-def build_experiment(request: TuneRequest, max_failed_trials: int | None = None) -> dict[str, Any]:
+# Katib's suggestion services and the settings each accepts: hyperopt (random, tpe) and
+# scikit-optimize (bayesianoptimization) take `random_state`; grid takes none and needs a
+# `step` on every double parameter (its ValidateAlgorithmSettings: "param ... step is nil").
+_SEEDED = {"random", "tpe", "bayesianoptimization"}
+
+
+def build_experiment(
+    request: TuneRequest, cluster: ClusterSettings | None = None
+) -> dict[str, Any]:
     """The Experiment body for `request` (the trial PyTorchJob embedded as trialSpec)."""
     if not request.space:
         raise ValueError(f"TuneRequest {request.name!r}: the search space is empty")
     if request.max_trials < 1:
         raise ValueError(f"TuneRequest {request.name!r}: max_trials must be >= 1")
-    name = dns_name(request.name)
-    if not name[0].isalpha():  # Katib's webhook: ^[a-z]([-a-z0-9]*[a-z0-9])?
-        raise ValueError(f"TuneRequest {request.name!r}: Katib needs a name starting with a letter")
+    # Katib's webhook: ^[a-z]([-a-z0-9]*[a-z0-9])?$ and at most 40 characters.
+    name = dns_name(request.name, max_len=KATIB_NAME_MAX)
+    cluster = cluster or ClusterSettings()
     trial_job = dataclasses.replace(request.trial_job, train_args=placeholder_args(request))
-    trial_spec = pytorchjob_manifest(trial_job)
-    del trial_spec["metadata"]  # Katib names each trial's job after the trial
+    trial_spec = pytorchjob_manifest(trial_job, cluster)
+    # Katib names each trial's job after the trial and puts it in the Experiment's namespace.
+    trial_spec["metadata"] = {"labels": trial_spec["metadata"]["labels"]}
 
-    if max_failed_trials is None:
-        max_failed_trials = request.max_trials - 1  # fail only if no trial can succeed
+    max_failed = request.max_failed_trials
+    if max_failed is None:
+        max_failed = request.max_trials - 1  # fail only if no trial can succeed
     # Katib rejects counts above maxTrialCount; more would never be used anyway.
-    max_failed_trials = min(max_failed_trials, request.max_trials)
+    max_failed = min(max_failed, request.max_trials)
     parallel = max(1, min(request.parallel_trials, request.max_trials))
+    settings = (
+        [V1beta1AlgorithmSetting(name="random_state", value=str(request.seed))]
+        if request.algorithm in _SEEDED
+        else None
+    )
+    grid = request.algorithm == "grid"
+    points = grid_points(request.max_trials, len(request.space)) if grid else 0
+    early = (
+        V1beta1EarlyStoppingSpec(algorithm_name="medianstop") if request.early_stopping else None
+    )
     experiment = V1beta1Experiment(
         api_version=EXPERIMENT.api_version,
         kind=EXPERIMENT.kind,
         metadata=IoK8sApimachineryPkgApisMetaV1ObjectMeta(
-            name=name,
-            namespace=request.trial_job.namespace,
-            labels={"app.kubernetes.io/managed-by": "kubellm"},
+            name=name, namespace=request.trial_job.namespace, labels=cluster.labels()
         ),
         spec=V1beta1ExperimentSpec(
             objective=V1beta1ObjectiveSpec(
@@ -114,15 +141,13 @@ def build_experiment(request: TuneRequest, max_failed_trials: int | None = None)
                 metric_strategies=[V1beta1MetricStrategy(name=request.objective, value="latest")],
             ),
             algorithm=V1beta1AlgorithmSpec(
-                algorithm_name="tpe",
-                algorithm_settings=[
-                    V1beta1AlgorithmSetting(name="random_state", value=str(request.seed))
-                ],
+                algorithm_name=request.algorithm, algorithm_settings=settings
             ),
-            parameters=[_parameter(p) for p in request.space],
+            early_stopping=early,
+            parameters=[_parameter(p, points) for p in request.space],
             max_trial_count=request.max_trials,
             parallel_trial_count=parallel,
-            max_failed_trial_count=max_failed_trials,
+            max_failed_trial_count=max_failed,
             metrics_collector_spec=V1beta1MetricsCollectorSpec(
                 collector=V1beta1CollectorSpec(kind="StdOut")
             ),
@@ -146,51 +171,53 @@ def build_experiment(request: TuneRequest, max_failed_trials: int | None = None)
     return out
 
 
-def _parameter(p: SearchParam) -> V1beta1ParameterSpec:
+def _parameter(p: SearchParam, grid_points: int = 0) -> V1beta1ParameterSpec:
     if not p.low < p.high:
         raise ValueError(f"search parameter {p.name!r}: low {p.low} must be below high {p.high}")
+    step = None
     if p.kind == "int":
         low, high = str(int(p.low)), str(int(p.high))
+        if grid_points:
+            step = str(int(grid_step(p, grid_points)))
     else:
         low, high = repr(float(p.low)), repr(float(p.high))
+        if grid_points:
+            step = repr(grid_step(p, grid_points))
+    log = p.log and not grid_points
     return V1beta1ParameterSpec(
         name=p.name,
         parameter_type=p.kind,
         feasible_space=V1beta1FeasibleSpace(
-            min=low, max=high, distribution="logUniform" if p.log else "uniform"
+            min=low, max=high, step=step, distribution="logUniform" if log else "uniform"
         ),
     )
 
 
 class KatibTuner(Tuner):
-    """Tuner on a cluster: one Experiment, TPE seeded from the request, trials as PyTorchJobs.
-
-    `max_failed_trials` defaults to max_trials - 1: a search survives bad corners of the
-    space and fails only when no trial can succeed.
-    """
+    """Tuner on a cluster: one Experiment (the request's algorithm, seeded), trials as the
+    trainer's PyTorchJobs with the run's `cluster` settings."""
 
     def __init__(
         self,
         api_client: k8s.ApiClient | None = None,
         *,
+        cluster: ClusterSettings | None = None,
         poll_interval_s: float = 10.0,
         request_timeout_s: float = 30.0,
-        max_failed_trials: int | None = None,
     ) -> None:
         self.kube = KubeClient(api_client, poll_interval_s, request_timeout_s)
-        self.max_failed_trials = max_failed_trials
+        self.cluster = cluster or ClusterSettings()
 
     def tune(self, request: TuneRequest) -> TuneResult:
-        body = build_experiment(request, self.max_failed_trials)
+        body = build_experiment(request, self.cluster)
         name, ns = body["metadata"]["name"], request.trial_job.namespace
-        self.kube.create(EXPERIMENT, ns, body)
-        exp = self.kube.wait(
+        exp = self.kube.run(
             EXPERIMENT,
             ns,
-            name,
-            request.timeout_s,
+            body,
+            timeout_s=request.timeout_s,
             done=lambda obj: condition_is_true(obj, "Succeeded"),
-        )
+        ).obj
         optimal = (exp.get("status") or {}).get("currentOptimalTrial") or {}
         best_trial = optimal.get("bestTrialName") or ""
         best_value = _metric(optimal.get("observation"), request.objective)
@@ -216,10 +243,19 @@ class KatibTuner(Tuner):
                     name=obj["metadata"]["name"],
                     params=_assignments((obj.get("spec") or {}).get("parameterAssignments")),
                     value=_metric(status.get("observation"), objective),
-                    state="succeeded" if condition_is_true(obj, "Succeeded") else "failed",
+                    state=_trial_state(obj),
                 )
             )
         return sorted(out, key=lambda t: t.name)
+
+
+def _trial_state(obj: dict[str, Any]) -> str:
+    """succeeded, early-stopped (medianstop), or failed (Failed, MetricsUnavailable, ...)."""
+    if condition_is_true(obj, "Succeeded"):
+        return "succeeded"
+    if condition_is_true(obj, "EarlyStopped"):
+        return "early-stopped"
+    return "failed"
 
 
 def _assignments(items: list[dict[str, Any]] | None) -> dict[str, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from kubellm.backends.base import WORKSPACE_MOUNT
+from kubellm.backends.base import workspace_mount
 from kubellm.backends.local.workspace import LocalWorkspace
 
 
@@ -16,9 +16,9 @@ class PvcWorkspace(LocalWorkspace):
     copies it onto the volume, `collect` copies a job's output back.
     """
 
-    def __init__(self, pvc_name: str, run_id: str, mount: str = WORKSPACE_MOUNT) -> None:
-        super().__init__(Path(mount) / run_id)  # one folder per pipeline run
-        self.mount = Path(mount)
+    def __init__(self, pvc_name: str, run_id: str, mount: str | None = None) -> None:
+        self.mount = Path(mount or workspace_mount())
+        super().__init__(self.mount / run_id)  # one folder per pipeline run
         self.pvc_name = pvc_name
 
     def share(self, src: str | Path, *parts: str) -> Path:

@@ -1,4 +1,10 @@
-"""The local tuner: optuna's TPE over the search space; each trial is a real training job."""
+"""The local tuner: optuna over the search space; each trial is a real training job.
+
+The algorithms map onto optuna's samplers: random -> RandomSampler, tpe -> TPESampler,
+bayesianoptimization -> GPSampler (a Gaussian process, as Katib's scikit-optimize), grid ->
+GridSampler over the same evenly spaced points Katib's grid uses. Trials run one at a time
+(one machine); early stopping is Katib's (cluster) only.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import dataclasses
 import optuna
 
 from kubellm.backends.base import JobFailed, Trainer, TrainJob, Tuner, TuneRequest
-from kubellm.tune.search import Trial, TuneResult, trial_args
+from kubellm.tune.search import Trial, TuneResult, grid_points, grid_values, trial_args
 
 
 class OptunaTuner(Tuner):
@@ -18,10 +24,13 @@ class OptunaTuner(Tuner):
 
     def tune(self, request: TuneRequest) -> TuneResult:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        study = optuna.create_study(
-            direction=request.goal, sampler=optuna.samplers.TPESampler(seed=request.seed)
-        )
+        study = optuna.create_study(direction=request.goal, sampler=sampler(request))
         trials: list[Trial] = []
+        max_failed = (
+            request.max_trials - 1
+            if request.max_failed_trials is None
+            else request.max_failed_trials
+        )
 
         def objective(ot: optuna.Trial) -> float:
             params: dict[str, float] = {}
@@ -41,6 +50,9 @@ class OptunaTuner(Tuner):
             except JobFailed as err:
                 trials.append(Trial(name, params, None, "failed"))
                 print(f"[{request.name}] trial {ot.number} failed: {err}", flush=True)
+                failed = sum(t.state == "failed" for t in trials)
+                if failed > max_failed:  # as Katib: the experiment fails
+                    study.stop()
                 raise optuna.TrialPruned(str(err)) from err
             if request.objective not in result.metrics:
                 trials.append(Trial(name, params, None, "failed"))
@@ -54,7 +66,27 @@ class OptunaTuner(Tuner):
         done = [t for t in trials if t.value is not None]
         if not done:
             raise JobFailed(f"{request.name}: all {len(trials)} trials failed")
+        failed = len(trials) - len(done)
+        if failed > max_failed:
+            raise JobFailed(
+                f"{request.name}: {failed} of {len(trials)} trials failed "
+                f"(more than max_failed_trials={max_failed})"
+            )
         sign = 1.0 if request.goal == "minimize" else -1.0
         best = min(done, key=lambda t: sign * (t.value or 0.0))
         assert best.value is not None
         return TuneResult(best.params, best.value, best.name, trials)
+
+
+def sampler(request: TuneRequest) -> optuna.samplers.BaseSampler:
+    """Optuna's counterpart of the request's algorithm, seeded like Katib's random_state."""
+    seed = request.seed
+    if request.algorithm == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if request.algorithm == "bayesianoptimization":
+        return optuna.samplers.GPSampler(seed=seed)
+    if request.algorithm == "grid":
+        points = grid_points(request.max_trials, len(request.space))
+        space = {p.name: grid_values(p, points) for p in request.space}
+        return optuna.samplers.GridSampler(space, seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)

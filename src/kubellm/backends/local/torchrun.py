@@ -36,8 +36,6 @@ class TorchrunTrainer(Trainer):
                 f"num_nodes={job.nnodes}: the local trainer runs one node; "
                 "multi-node training needs platform=kubernetes (a PyTorchJob)"
             )
-        if job.gpus_per_node:
-            raise JobFailed("gpus_per_node is not supported by the local trainer (CPU, gloo)")
         cmd = [
             sys.executable,
             "-m",

@@ -1,0 +1,637 @@
+"""The simulated cluster: each controller behaves as the real one does, driven through the
+real kubernetes client (RBAC on: the repo's Role), pods running as local processes.
+
+Every test ends with no controller error and no schema error (the `sim` fixture checks):
+what the simulated controllers write must be what the real ones could write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client as k8s
+from kubernetes import watch
+
+from fakes.fake_k8s import ApiError
+from fakes.sim_cluster import SimCluster
+
+JOBS = ("kubeflow.org", "v1", "default", "pytorchjobs")
+EXPERIMENTS = ("kubeflow.org", "v1beta1", "default", "experiments")
+ISVCS = ("serving.kserve.io", "v1beta1", "default", "inferenceservices")
+MODEL_SERVER = Path(__file__).parents[1] / "fakes" / "model_server.py"
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[SimCluster]:
+    with SimCluster(tmp_path) as cluster:
+        yield cluster
+        assert cluster.errors == []
+        assert cluster.fake.errors == []
+        assert cluster.fake.forbidden == []
+
+
+def container(code: str, **extra: Any) -> dict[str, Any]:
+    return {"name": "pytorch", "image": "img", "command": ["python", "-c", code], **extra}
+
+
+def pytorchjob(
+    name: str,
+    code: str,
+    workers: int = 0,
+    restart: str = "ExitCode",
+    run_policy: dict[str, Any] | None = None,
+    **container_extra: Any,
+) -> dict[str, Any]:
+    def replica(n: int) -> dict[str, Any]:
+        return {
+            "replicas": n,
+            "restartPolicy": restart,
+            "template": {"spec": {"containers": [container(code, **container_extra)]}},
+        }
+
+    specs = {"Master": replica(1)}
+    if workers:
+        specs["Worker"] = replica(workers)
+    spec: dict[str, Any] = {"pytorchReplicaSpecs": specs}
+    if run_policy:
+        spec["runPolicy"] = run_policy
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def condition(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return dict(c)
+    return {}
+
+
+def pod_names(sim: SimCluster, selector: str = "") -> list[str]:
+    core = k8s.CoreV1Api(sim.api_client())
+    return [
+        p.metadata.name for p in core.list_namespaced_pod("default", label_selector=selector).items
+    ]
+
+
+# ---------------------------------------------------------------- Training Operator
+
+GLOO = textwrap.dedent(
+    """
+    import os
+    import torch
+    import torch.distributed as dist
+
+    print(" ".join(f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("PET_")))
+    dist.init_process_group(
+        "gloo", rank=int(os.environ["PET_NODE_RANK"]), world_size=int(os.environ["PET_NNODES"])
+    )
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"rank={dist.get_rank()} allreduce={t.item()}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_two_replica_job_rendezvous_over_gloo_and_succeeds(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    rv = api.list_namespaced_custom_object(*JOBS)["metadata"]["resourceVersion"]
+    api.create_namespaced_custom_object(*JOBS, pytorchjob("ddp", GLOO, workers=1))
+
+    stream = watch.Watch().stream(
+        api.list_namespaced_custom_object,
+        *JOBS,
+        field_selector="metadata.name=ddp",
+        resource_version=rv,
+        timeout_seconds=60,
+    )
+    seen = []
+    for event in stream:
+        conds = [c["type"] for c in (event["raw_object"].get("status") or {}).get("conditions", [])]
+        seen.append(conds)
+        if "Succeeded" in conds or "Failed" in conds:
+            break
+    job = api.get_namespaced_custom_object(*JOBS, "ddp")
+    assert condition(job, "Succeeded")["reason"] == "PyTorchJobSucceeded", job["status"]
+    assert condition(job, "Succeeded")["message"] == "PyTorchJob ddp is successfully completed."
+    assert condition(job, "Running")["status"] == "False"
+    assert ["Created", "Running"] in seen  # as the operator writes them, one by one
+    assert job["status"]["replicaStatuses"]["Master"]["succeeded"] == 1
+    assert job["status"]["startTime"] and job["status"]["completionTime"]
+
+    core = k8s.CoreV1Api(sim.api_client())
+    master = core.read_namespaced_pod("ddp-master-0", "default")
+    assert master.metadata.labels == {
+        "training.kubeflow.org/operator-name": "pytorchjob-controller",
+        "training.kubeflow.org/job-name": "ddp",
+        "training.kubeflow.org/replica-type": "master",
+        "training.kubeflow.org/replica-index": "0",
+        "training.kubeflow.org/job-role": "master",
+    }
+    (ref,) = master.metadata.owner_references
+    assert (ref.kind, ref.name, ref.controller) == ("PyTorchJob", "ddp", True)
+    assert master.spec.restart_policy == "Never"  # ExitCode is the operator's, not the pod's
+    assert master.status.container_statuses[0].state.terminated.exit_code == 0
+    logs = {
+        name: core.read_namespaced_pod_log(name, "default", _preload_content=False).data.decode()
+        for name in ("ddp-master-0", "ddp-worker-0")
+    }
+    for rank, name in enumerate(logs):
+        assert f"PET_NNODES=2 PET_NODE_RANK={rank} PET_NPROC_PER_NODE=auto" in logs[name]
+        assert f"rank={rank} allreduce=3.0" in logs[name]
+    env = {e.name: e.value for e in master.spec.containers[0].env}
+    assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "127.0.0.1"
+    assert env["WORLD_SIZE"] == "2" and env["RANK"] == "0" and env["PYTHONUNBUFFERED"] == "0"
+
+
+def test_permanent_exit_code_fails_the_job_naming_the_replica(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    api.create_namespaced_custom_object(
+        *JOBS, pytorchjob("bad", "import sys; print('boom'); sys.exit(1)")
+    )
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "bad", "Failed"), what="bad Failed")
+    failed = condition(sim.fake.get_object("pytorchjobs", "bad"), "Failed")
+    assert failed["reason"] == "PyTorchJobFailed"
+    assert failed["message"] == 'job "bad" is failing because "Master" replica(s) failed.'
+    core = k8s.CoreV1Api(sim.api_client())
+    pod = core.read_namespaced_pod("bad-master-0", "default")  # cleanPodPolicy None keeps it
+    assert pod.status.phase == "Failed"
+    assert pod.status.container_statuses[0].state.terminated.exit_code == 1
+    assert core.read_namespaced_pod_log("bad-master-0", "default") == "boom\n"
+
+
+def test_retryable_exit_code_is_retried_up_to_the_backoff_limit(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    rv = api.list_namespaced_custom_object(*JOBS)["metadata"]["resourceVersion"]
+    api.create_namespaced_custom_object(
+        *JOBS, pytorchjob("flaky", "import sys; sys.exit(200)", run_policy={"backoffLimit": 2})
+    )
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "flaky", "Failed"), what="flaky Failed")
+    failed = condition(sim.fake.get_object("pytorchjobs", "flaky"), "Failed")
+    assert failed["message"] == (
+        "Job flaky has failed because it has reached the specified backoff limit"
+    )
+    core = k8s.CoreV1Api(sim.api_client())
+    events = watch.Watch().stream(
+        core.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1
+    )
+    created = [e["object"].metadata.uid for e in events if e["type"] == "ADDED"]
+    assert len(created) == 3  # the first run and backoffLimit retries, each a new pod
+
+
+def test_active_deadline_fails_the_job_and_deletes_its_pods(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    api.create_namespaced_custom_object(
+        *JOBS,
+        pytorchjob("slow", "import time; time.sleep(60)", run_policy={"activeDeadlineSeconds": 1}),
+    )
+    sim.wait_for(lambda: pod_names(sim) == ["slow-master-0"], what="the pod")
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "slow", "Failed"), 10, "slow Failed")
+    failed = condition(sim.fake.get_object("pytorchjobs", "slow"), "Failed")
+    assert (failed["reason"], failed["message"]) == (
+        "PyTorchJobFailed",
+        "Job slow has failed because it was active longer than specified deadline",
+    )
+    assert pod_names(sim) == []
+
+
+def test_ttl_deletes_the_finished_job_and_clean_pod_policy_its_pods(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    policy = {"ttlSecondsAfterFinished": 1, "cleanPodPolicy": "All"}
+    api.create_namespaced_custom_object(*JOBS, pytorchjob("done", "pass", run_policy=policy))
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "done", "Succeeded"), what="Succeeded")
+    sim.wait_for(lambda: pod_names(sim) == [], 5, "cleanPodPolicy All")
+    sim.wait_for(lambda: sim.fake.get_object("pytorchjobs", "done") is None, 5, "TTL")
+
+
+# ---------------------------------------------------------------- kubelet and scheduler
+
+
+def test_extended_resources_beyond_the_node_stay_pending(tmp_path: Path) -> None:
+    with SimCluster(tmp_path, gpus_per_node=1) as sim:
+        gpu = {"resources": {"limits": {"nvidia.com/gpu": 1}}}
+        for name in ("a", "b"):
+            body = pytorchjob(name, "import time; time.sleep(0.5)", **gpu)
+            sim.fake.create_object("pytorchjobs", body)
+        sim.wait_for(lambda: sim.condition("pytorchjobs", "a", "Succeeded"), what="a")
+        sim.wait_for(lambda: sim.condition("pytorchjobs", "b", "Succeeded"), what="b")
+        scheduled = [
+            e.obj["status"]["conditions"][0]
+            for e in sim.fake.history("pods")
+            if (e.obj.get("status") or {}).get("conditions")
+        ]
+        unschedulable = [c for c in scheduled if c["status"] == "False"]
+        assert unschedulable, "one pod waited for the GPU"
+        assert unschedulable[0]["reason"] == "Unschedulable"
+        assert (
+            unschedulable[0]["message"] == "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+        )
+
+        too_big = pytorchjob("c", "pass", resources={"limits": {"nvidia.com/gpu": 2}})
+        sim.fake.create_object("pytorchjobs", too_big)
+        sim.wait_for(lambda: condition(sim.fake.get_object("pods", "c-master-0"), "PodScheduled"))
+        time.sleep(0.3)
+        pod = sim.fake.get_object("pods", "c-master-0")
+        assert pod is not None and pod["status"]["phase"] == "Pending"
+        assert sim.errors == [] and sim.fake.errors == []
+
+
+def pod_body(name: str, code: str, **extra: Any) -> dict[str, Any]:
+    spec = {"restartPolicy": "Never", "containers": [container(code, **extra)]}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def test_env_from_secrets_and_fields_and_config_errors(sim: SimCluster) -> None:
+    sim.secrets[("default", "tokens")] = {"hf": "s3cr3t"}
+    env = [
+        {"name": "HF", "valueFrom": {"secretKeyRef": {"name": "tokens", "key": "hf"}}},
+        {
+            "name": "OPT",
+            "valueFrom": {"secretKeyRef": {"name": "nope", "key": "x", "optional": True}},
+        },
+        {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "GREETING", "value": "hi $(POD)"},
+    ]
+    code = "import os; e = os.environ; print(e['HF'], 'OPT' in e, e['POD'], e['NS'], e['GREETING'])"
+    sim.fake.create_object("pods", pod_body("envy", code, env=env))
+    sim.wait_for(
+        lambda: (
+            (sim.fake.get_object("pods", "envy") or {}).get("status", {}).get("phase")
+            == "Succeeded"
+        )
+    )
+    assert sim.fake.pod_log("default", "envy") == "s3cr3t False envy default hi envy\n"
+
+    missing = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "absent", "key": "k"}}}]
+    sim.fake.create_object("pods", pod_body("blocked", "pass", env=missing))
+
+    def waiting() -> dict[str, Any]:
+        statuses = ((sim.fake.get_object("pods", "blocked") or {}).get("status") or {}).get(
+            "containerStatuses"
+        ) or [{}]
+        return dict((statuses[0].get("state") or {}).get("waiting") or {})
+
+    sim.wait_for(lambda: waiting().get("reason") == "CreateContainerConfigError")
+    assert waiting()["message"] == 'secret "absent" not found'
+    sim.secrets[("default", "absent")] = {"k": "v"}  # the kubelet retries, as a real one does
+    sim.wait_for(lambda: sim.fake.get_object("pods", "blocked")["status"]["phase"] == "Succeeded")
+
+
+def test_a_pvc_is_mounted_only_at_its_directory(sim: SimCluster) -> None:
+    workspace = sim.pvc_dir("kubellm-workspace")
+    (workspace / "data.txt").write_text("tokens")
+    volumes = [{"name": "ws", "persistentVolumeClaim": {"claimName": "kubellm-workspace"}}]
+
+    def mounted(name: str, path: str) -> dict[str, Any]:
+        body = pod_body(
+            name,
+            f"print(open('{workspace}/data.txt').read())",
+            volumeMounts=[{"name": "ws", "mountPath": path}],
+        )
+        body["spec"]["volumes"] = volumes
+        return body
+
+    sim.fake.create_object("pods", mounted("right", str(workspace)))
+    sim.fake.create_object("pods", mounted("wrong", "/workspace"))
+    phase = lambda n: (sim.fake.get_object("pods", n) or {}).get("status", {}).get("phase")  # noqa: E731
+    sim.wait_for(lambda: phase("right") == "Succeeded" and phase("wrong") == "Failed")
+    assert sim.fake.pod_log("default", "right") == "tokens\n"
+    wrong = sim.fake.get_object("pods", "wrong")
+    assert wrong["status"]["reason"] == "FailedMount"
+    assert (
+        str(workspace) in wrong["status"]["message"] and "/workspace" in wrong["status"]["message"]
+    )
+    assert sim.env()["KUBELLM_WORKSPACE_MOUNT"] == str(workspace)
+
+
+def test_deleting_a_pod_terminates_its_process(sim: SimCluster, tmp_path: Path) -> None:
+    marker = tmp_path / "got-sigterm"
+    code = textwrap.dedent(
+        f"""
+        import pathlib, signal, sys, time
+        def bye(*_):
+            pathlib.Path({str(marker)!r}).write_text("bye")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, bye)
+        print("ready", flush=True)
+        time.sleep(60)
+        """
+    )
+    sim.fake.create_object("pods", pod_body("sleeper", code))
+    sim.wait_for(lambda: sim.fake.pod_log("default", "sleeper") == "ready\n")
+    sim.fake.delete_object("pods", "sleeper")  # the Role has no pod delete: a test control
+    sim.wait_for(lambda: marker.exists(), 5, "SIGTERM handled")
+    assert sim.fake.get_object("pods", "sleeper") is None
+
+
+# ---------------------------------------------------------------- Katib
+
+
+def experiment(name: str, trial_code: str, max_trials: int = 4, **spec: Any) -> dict[str, Any]:
+    job = pytorchjob("unused", trial_code.replace("X", "${trialParameters.x}"))
+    del job["metadata"]
+    return {
+        "apiVersion": "kubeflow.org/v1beta1",
+        "kind": "Experiment",
+        "metadata": {"name": name},
+        "spec": {
+            "objective": {"type": "minimize", "objectiveMetricName": "eval_loss"},
+            "algorithm": {
+                "algorithmName": "random",
+                "algorithmSettings": [{"name": "random_state", "value": "7"}],
+            },
+            "parallelTrialCount": 2,
+            "maxTrialCount": max_trials,
+            "maxFailedTrialCount": max_trials,
+            "parameters": [
+                {
+                    "name": "x",
+                    "parameterType": "double",
+                    "feasibleSpace": {"min": "0.0", "max": "1.0"},
+                }
+            ],
+            "trialTemplate": {
+                "primaryContainerName": "pytorch",
+                "successCondition": 'status.conditions.#(type=="Succeeded")#|#(status=="True")#',
+                "failureCondition": 'status.conditions.#(type=="Failed")#|#(status=="True")#',
+                "trialParameters": [{"name": "x", "reference": "x"}],
+                "trialSpec": job,
+            },
+            **spec,
+        },
+    }
+
+
+def finished(sim: SimCluster, name: str) -> bool:
+    return sim.condition("experiments", name, "Succeeded") or sim.condition(
+        "experiments", name, "Failed"
+    )
+
+
+def test_experiment_finds_the_trial_with_the_lowest_objective(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    code = (  # X is the trial's parameter; eval_loss is printed twice, min is the objective
+        "x = float('X'); print(f'step=1 eval_loss={(x - 0.3) ** 2 + 1}'); "
+        "print(f'eval_loss={(x - 0.3) ** 2}')"
+    )
+    api.create_namespaced_custom_object(*EXPERIMENTS, experiment("tune", code))
+    sim.wait_for(lambda: finished(sim, "tune"), 30, "experiment done")
+    exp = api.get_namespaced_custom_object(*EXPERIMENTS, "tune")
+    done = condition(exp, "Succeeded")
+    assert (done["reason"], done["message"]) == (
+        "ExperimentMaxTrialsReached",
+        "Experiment has succeeded because max trial count has reached",
+    )
+    assert condition(exp, "Running")["status"] == "False"
+    trials = api.list_namespaced_custom_object(
+        "kubeflow.org",
+        "v1beta1",
+        "default",
+        "trials",
+        label_selector="katib.kubeflow.org/experiment=tune",
+    )["items"]
+    assert len(trials) == 4 and exp["status"]["trialsSucceeded"] == 4
+    losses = {}
+    for t in trials:
+        assert t["metadata"]["name"].startswith("tune-") and len(t["metadata"]["name"]) == 13
+        (metric,) = t["status"]["observation"]["metrics"]
+        x = float(t["spec"]["parameterAssignments"][0]["value"])
+        assert float(metric["min"]) == pytest.approx((x - 0.3) ** 2)
+        assert metric["latest"] == metric["min"] and float(metric["max"]) > float(metric["min"])
+        assert (
+            condition(t, "Succeeded")["reason"] == "TrialSucceeded. Job reason: PyTorchJobSucceeded"
+        )
+        losses[t["metadata"]["name"]] = float(metric["min"])
+    best = exp["status"]["currentOptimalTrial"]
+    assert best["bestTrialName"] == min(losses, key=lambda n: losses[n])
+    assert best["parameterAssignments"][0]["name"] == "x"
+    # each trial ran its own job (x substituted), deleted when the trial completed
+    for t in trials:
+        assert ("pytorchjobs", "default", t["metadata"]["name"]) in sim.fake.deleted
+        x = t["spec"]["parameterAssignments"][0]["value"]
+        master = t["spec"]["runSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]
+        assert f"float('{x}')" in master["template"]["spec"]["containers"][0]["command"][2]
+    assert sim.fake.list_objects("pytorchjobs") == []
+
+
+def test_grid_walks_the_feasible_space_in_steps(sim: SimCluster) -> None:
+    body = experiment("grid", "print('eval_loss=X')", max_trials=3, parallelTrialCount=3)
+    body["spec"]["algorithm"] = {"algorithmName": "grid"}
+    body["spec"]["parameters"][0]["feasibleSpace"] = {"min": "0.1", "max": "0.3", "step": "0.1"}
+    sim.fake.create_object("experiments", body)
+    sim.wait_for(lambda: finished(sim, "grid"), 30, "experiment done")
+    values = sorted(
+        float(t["spec"]["parameterAssignments"][0]["value"])
+        for t in sim.fake.list_objects("trials")
+    )
+    assert values == pytest.approx([0.1, 0.2, 0.3])
+    best = sim.fake.get_object("experiments", "grid")["status"]["currentOptimalTrial"]
+    assert float(best["parameterAssignments"][0]["value"]) == pytest.approx(0.1)
+
+
+def test_trials_without_the_objective_metric_are_metrics_unavailable(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    body = experiment("nometric", "print('loss X')", max_trials=2, maxFailedTrialCount=2)
+    api.create_namespaced_custom_object(*EXPERIMENTS, body)
+    sim.wait_for(lambda: finished(sim, "nometric"), 30, "experiment done")
+    exp = api.get_namespaced_custom_object(*EXPERIMENTS, "nometric")
+    failed = condition(exp, "Failed")
+    assert (failed["reason"], failed["message"]) == (
+        "ExperimentFailed",
+        "Experiment has failed because max failed count has reached",
+    )
+    assert exp["status"]["trialMetricsUnavailable"] == 2
+    trial = sim.fake.get_object("trials", exp["status"]["metricsUnavailableTrialList"][0])
+    unavailable = condition(trial, "MetricsUnavailable")
+    assert unavailable["reason"] == "MetricsUnavailable. Job reason: PyTorchJobSucceeded"
+    assert unavailable["message"].startswith("Metrics are not available. Job message: ")
+    assert trial["status"]["observation"]["metrics"] == [
+        {"name": "eval_loss", "min": "unavailable", "max": "unavailable", "latest": "unavailable"}
+    ]
+
+
+def test_without_the_collector_injection_label_trials_never_report(sim: SimCluster) -> None:
+    sim.namespace_labels["default"] = {}
+    api = k8s.CustomObjectsApi(sim.api_client())
+    api.create_namespaced_custom_object(
+        *EXPERIMENTS,
+        experiment("blind", "print('eval_loss=X')", max_trials=1, parallelTrialCount=1),
+    )
+    sim.wait_for(lambda: sim.fake.list_objects("trials"), what="a trial")
+    name = sim.fake.list_objects("trials")[0]["metadata"]["name"]
+    sim.wait_for(lambda: sim.condition("pytorchjobs", name, "Succeeded"), what="its job")
+    time.sleep(0.5)
+    trial = sim.fake.get_object("trials", name)
+    assert condition(trial, "Running")["status"] == "True"  # requeued forever, as in Katib
+    assert not finished(sim, "blind")
+
+
+# ---------------------------------------------------------------- KServe
+
+
+def isvc(name: str, uri: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "serving.kserve.io/v1beta1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": {
+            "predictor": {
+                "minReplicas": 1,
+                "containers": [
+                    {
+                        "name": "kserve-container",
+                        "image": "img",
+                        "command": ["python", str(MODEL_SERVER)],
+                        "args": [
+                            "/mnt/models",
+                            "--name",
+                            name,
+                            "--host",
+                            "0.0.0.0",
+                            "--port",
+                            "8080",
+                        ],
+                        "env": [{"name": "STORAGE_URI", "value": uri}],
+                        "ports": [{"containerPort": 8080, "protocol": "TCP"}],
+                    }
+                ],
+            }
+        },
+    }
+
+
+def test_inference_service_serves_and_reports_ready_with_its_url(sim: SimCluster) -> None:
+    model = sim.pvc_dir("kubellm-workspace") / "models" / "m1"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"arch": "tiny"}')
+    api = k8s.CustomObjectsApi(sim.api_client())
+    rv = api.list_namespaced_custom_object(*ISVCS)["metadata"]["resourceVersion"]
+    api.create_namespaced_custom_object(*ISVCS, isvc("m1", "pvc://kubellm-workspace/models/m1"))
+
+    stream = watch.Watch().stream(
+        api.list_namespaced_custom_object,
+        *ISVCS,
+        field_selector="metadata.name=m1",
+        resource_version=rv,
+        timeout_seconds=30,
+    )
+    states = []
+    for event in stream:
+        ready = condition(event["raw_object"], "Ready")
+        states.append(ready.get("reason") or ready.get("status"))
+        if ready.get("status") == "True":
+            break
+    assert "RevisionMissing" in states and states[-1] == "True"
+    obj = api.get_namespaced_custom_object(*ISVCS, "m1")
+    status = obj["status"]
+    assert status["observedGeneration"] == 1
+    assert status["modelStatus"]["transitionStatus"] == "UpToDate"
+    assert status["address"]["url"] == status["url"]
+    with urllib.request.urlopen(f"{status['url']}/v1/models/m1") as resp:
+        assert json.loads(resp.read())["model"] == {"arch": "tiny"}
+    body = json.dumps({"instances": [[1, 2]]}).encode()
+    with urllib.request.urlopen(f"{status['url']}/v1/models/m1:predict", data=body) as resp:
+        assert json.loads(resp.read()) == {"predictions": [[1, 2]]}
+
+    # a spec change is a new revision, ready on its own port; the old one is rolled out
+    obj["spec"]["predictor"]["containers"][0]["args"][0] = "/mnt/models/../m1"
+    api.replace_namespaced_custom_object(*ISVCS, "m1", obj)
+    sim.wait_for(
+        lambda: (
+            (sim.fake.get_object("inferenceservices", "m1") or {})
+            .get("status", {})
+            .get("observedGeneration")
+            == 2
+            and sim.condition("inferenceservices", "m1", "Ready")
+        ),
+        15,
+        "generation 2 ready",
+    )
+    new = sim.fake.get_object("inferenceservices", "m1")["status"]
+    assert new["components"]["predictor"]["latestReadyRevision"] == "m1-predictor-00002"
+    assert new["url"] != status["url"]
+    sim.wait_for(lambda: len(pod_names(sim)) == 1, 5, "the old revision's pod gone")
+
+    api.delete_namespaced_custom_object(*ISVCS, "m1")
+    assert pod_names(sim) == []
+
+    def stopped() -> bool:
+        try:
+            urllib.request.urlopen(f"{new['url']}/v1/models/m1", timeout=0.5)
+        except OSError:
+            return True
+        return False
+
+    sim.wait_for(stopped, 5, "the predictor process stopped with its pod")
+
+
+def test_inference_service_that_cannot_load_is_blocked_with_the_reason(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    api.create_namespaced_custom_object(*ISVCS, isvc("m2", "pvc://kubellm-workspace/models/none"))
+    sim.wait_for(
+        lambda: (
+            condition(sim.fake.get_object("inferenceservices", "m2"), "Ready").get("reason")
+            == "RevisionFailed"
+        ),
+        15,
+    )
+    status = sim.fake.get_object("inferenceservices", "m2")["status"]
+    assert status["modelStatus"]["transitionStatus"] == "BlockedByFailedLoad"
+    info = status["modelStatus"]["lastFailureInfo"]
+    assert info["reason"] == "ModelLoadFailed" and info["exitCode"] == 3
+    assert "no config.json in" in info["message"]
+    assert "no config.json" in condition({"status": status}, "Ready")["message"]
+
+    runtime = isvc("m3", "")
+    runtime["spec"]["predictor"] = {
+        "model": {"modelFormat": {"name": "huggingface"}, "storageUri": "pvc://ws/m"}
+    }
+    api.create_namespaced_custom_object(*ISVCS, runtime)
+    sim.wait_for(lambda: condition(sim.fake.get_object("inferenceservices", "m3"), "Ready"))
+    status = sim.fake.get_object("inferenceservices", "m3")["status"]
+    assert condition({"status": status}, "Ready")["reason"] == "InvalidSpec"
+    assert status["modelStatus"]["transitionStatus"] == "InvalidSpec"
+
+
+# ---------------------------------------------------------------- child processes
+
+
+def test_code_in_a_child_process_reaches_the_sim_through_kubeconfig(sim: SimCluster) -> None:
+    sim.fake.create_object("pytorchjobs", pytorchjob("seen", "pass"))
+    code = (
+        "from kubernetes import client, config; config.load_kube_config(); "
+        "print([o['metadata']['name'] for o in client.CustomObjectsApi()"
+        ".list_namespaced_custom_object('kubeflow.org', 'v1', 'default', 'pytorchjobs')['items']])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **sim.env()},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "['seen']"
+
+
+def test_create_object_validates_like_a_post(sim: SimCluster) -> None:
+    with pytest.raises(ApiError) as info:
+        sim.fake.create_object("pods", pod_body("x", "pass", gpus=1))
+    assert info.value.code == 422
+    assert "spec.containers[0].gpus: unknown field" in info.value.body["message"]
+    sim.fake.errors.clear()
