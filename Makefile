@@ -105,6 +105,11 @@ mlflow-ui: $(STAMP) ## Open the MLflow UI on the local results (127.0.0.1:5000)
 manifests: ## Render the kustomize overlays (needs kubectl)
 	kubectl kustomize manifests/base >/dev/null && echo "base ok"
 	kubectl kustomize manifests/overlays/rdma >/dev/null && echo "rdma ok"
+	kubectl kustomize manifests/overlays/single-node >/dev/null && echo "single-node ok"
+
+.PHONY: render
+render: $(STAMP) ## Print the Kubernetes objects a cluster run creates; ARGS="--set k=v"
+	$(BIN)/kubellm render $(ARGS)
 
 .PHONY: images
 images: $(addprefix image-,$(IMAGES)) ## Build the images (docker): make images REGISTRY=ghcr.io/kubellm TAG=0.1.0
@@ -127,4 +132,4 @@ clean: ## Remove local run state (runs/, kfp outputs); keeps .venv
 
 .PHONY: distclean
 distclean: clean ## Remove everything made here, .venv included
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-checkov .mypy_cache .pytest_cache .ruff_cache
