@@ -93,9 +93,9 @@ CLUSTER_SCOPED_KINDS = {
 CLIENT_VERBS: dict[tuple[str, str], frozenset[str]] = {
     ("kubeflow.org", "pytorchjobs"): frozenset({"create", "get", "list", "watch", "delete"}),
     ("kubeflow.org", "experiments"): frozenset({"create", "get", "list", "watch", "delete"}),
-    ("kubeflow.org", "trials"): frozenset({"get", "list", "watch"}),
+    ("kubeflow.org", "trials"): frozenset({"list"}),
     ("serving.kserve.io", "inferenceservices"): frozenset(
-        {"create", "get", "list", "watch", "update", "patch", "delete"}
+        {"create", "get", "list", "watch", "update", "delete"}
     ),
     ("", "pods"): frozenset({"get", "list", "watch"}),
     ("", "pods/log"): frozenset({"get"}),
