@@ -381,7 +381,7 @@ class _Run:
             x, y = val[:, first : first + size].long().to(self.plan.device)
             with self.autocast():
                 loss = self.engine(input_ids=x, labels=y).loss
-            total += torch.stack([loss.double() * len(x), torch.tensor(len(x)).double()])
+            total += weighted(loss, len(x))
         if dist.is_initialized():
             dist.all_reduce(total)
         self.engine.train()
@@ -410,9 +410,16 @@ class _Run:
             model = model.merge_and_unload()  # type: ignore[operator]
         if self.cfg.activation_checkpointing:
             model.activation_checkpointing_disable()  # type: ignore[operator]
-            model.config.use_cache = True  # type: ignore[union-attr]
+        model.config.use_cache = True  # type: ignore[union-attr]  # generation uses the cache
         export(model.to("cpu"), self.plan.tokenizer, self.cfg.output_dir)
         self.log(f"exported model to {self.cfg.output_dir}")
+
+
+def weighted(loss: torch.Tensor, count: int) -> torch.Tensor:
+    """(loss x count, count) in float64 on the loss's device: a mean's parts, ready for one
+    all_reduce (a tensor made on the CPU here would fail every GPU run at this point)."""
+    n = torch.tensor(count, dtype=torch.float64, device=loss.device)
+    return torch.stack([loss.double() * n, n])
 
 
 def main(argv: list[str] | None = None) -> int:

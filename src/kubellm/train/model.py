@@ -98,9 +98,11 @@ def build_model(cfg: TrainConfig, tokenizer: Any, weights: bool = True) -> torch
             ) from None
     else:
         model = new_llama(cfg.model, tokenizer)
+    # Training never reuses keys and values: without this every layer also builds a K/V
+    # cache each forward (and recompiles per layer under `compile`). export() turns it on.
+    model.config.use_cache = False
     if cfg.activation_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
-        model.config.use_cache = False
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -134,7 +136,8 @@ def wrap(
         return model
     if cfg.strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+        # The model's buffers (rotary frequencies) are constants: no broadcast each forward.
+        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
