@@ -14,17 +14,16 @@ shown as they will be on the workspace volume.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kubellm.backends import resolve
-from kubellm.backends.base import workspace_mount
 from kubellm.backends.kubernetes.inferenceservice import build_inferenceservice
 from kubellm.backends.kubernetes.katib import build_experiment
 from kubellm.backends.kubernetes.podspec import ClusterSettings
 from kubellm.backends.kubernetes.pytorchjob import pytorchjob_manifest
+from kubellm.backends.kubernetes.workspace import PvcWorkspace
 from kubellm.config import PipelineConfig, pipeline_config
 from kubellm.stages.context import JobPlan
 from kubellm.stages.deploy import serve_request
@@ -40,14 +39,15 @@ def objects(cfg: PipelineConfig, kfp_run_id: str = RUN_ID) -> list[tuple[str, di
     cfg = resolve(cfg.model_copy(update={"platform": "kubernetes"}))
     plan = JobPlan(cfg, kfp_run_id, cfg.workspace_pvc)
     cluster = ClusterSettings.from_config(cfg, kfp_run_id)
-    run_dir = Path(workspace_mount()) / kfp_run_id
+    # The run's folder on the volume, as the stages lay it out (nothing is created here).
+    ws = PvcWorkspace(cfg.workspace_pvc, kfp_run_id)
     out = [("preflight", pytorchjob_manifest(fabric_job(plan), cluster))]
     if cfg.tune_trials:
-        trial = plan.train_job("tune", run_dir / "config" / "tune.json")
+        trial = plan.train_job("tune", ws.root / "config" / "tune.json")
         out.append(("tune", build_experiment(tune_request(cfg, trial), cluster)))
-    train = plan.train_job("train", run_dir / "config" / "train.json")
+    train = plan.train_job("train", ws.root / "config" / "train.json")
     out.append(("train", pytorchjob_manifest(train, cluster)))
-    model_uri = f"pvc://{cfg.workspace_pvc}/{kfp_run_id}/serve/v1"
+    model_uri = ws.model_uri(ws.root / "serve" / "v1")
     out.append(("deploy", build_inferenceservice(serve_request(cfg, model_uri, kfp_run_id))))
     return out
 

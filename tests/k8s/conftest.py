@@ -7,7 +7,8 @@ file; it never skips them, since a fake that validates against nothing proves no
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -17,6 +18,36 @@ from fakes.k8s_schemas import crds_dir, missing_files, missing_reason
 # Polls in these tests are fast; a real cluster uses seconds.
 POLL_S = 0.05
 
+# PyTorchJob default/llm-train's statuses as the Training Operator writes them.
+CREATED = {"type": "Created", "status": "True", "reason": "PyTorchJobCreated"}
+RUNNING = {"conditions": [CREATED, {"type": "Running", "status": "True"}]}
+SUCCEEDED = {
+    "conditions": [
+        CREATED,
+        {"type": "Running", "status": "False"},
+        {
+            "type": "Succeeded",
+            "status": "True",
+            "reason": "PyTorchJobSucceeded",
+            "message": "PyTorchJob default/llm-train successfully completed.",
+        },
+    ],
+    "replicaStatuses": {"Master": {"succeeded": 1}},
+}
+FAILED = {
+    "conditions": [
+        CREATED,
+        {"type": "Running", "status": "False"},
+        {
+            "type": "Failed",
+            "status": "True",
+            "reason": "PyTorchJobFailed",
+            "message": "PyTorchJob default/llm-train is failed because 1 Master replica(s) failed.",
+        },
+    ],
+    "replicaStatuses": {"Master": {"failed": 1}},
+}
+
 
 @pytest.fixture
 def fake_k8s() -> Iterator[FakeK8s]:
@@ -25,3 +56,26 @@ def fake_k8s() -> Iterator[FakeK8s]:
         pytest.fail(missing_reason(directory), pytrace=False)
     with FakeK8s(directory) as fake:
         yield fake
+
+
+@pytest.fixture
+def play() -> Iterator[Callable[[Callable[[], None]], None]]:
+    """Run the cluster's side of a test in a thread; its errors fail the test."""
+    threads: list[threading.Thread] = []
+    errors: list[BaseException] = []
+
+    def start(story: Callable[[], None]) -> None:
+        def target() -> None:
+            try:
+                story()
+            except BaseException as e:
+                errors.append(e)
+
+        threads.append(threading.Thread(target=target, daemon=True))
+        threads[-1].start()
+
+    yield start
+    for thread in threads:
+        thread.join(10)
+    if errors:
+        raise errors[0]

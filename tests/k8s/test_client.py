@@ -9,7 +9,7 @@ import hashlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,29 +51,6 @@ def manifest(name: str = "job") -> dict[str, Any]:
 
 def succeeded(o: dict[str, Any]) -> bool:
     return condition_is_true(o, "Succeeded")
-
-
-@pytest.fixture
-def play() -> Iterator[Callable[[Callable[[], None]], None]]:
-    """Run the cluster's side of a test in a thread; its errors fail the test."""
-    threads: list[threading.Thread] = []
-    errors: list[BaseException] = []
-
-    def start(story: Callable[[], None]) -> None:
-        def target() -> None:
-            try:
-                story()
-            except BaseException as e:
-                errors.append(e)
-
-        threads.append(threading.Thread(target=target, daemon=True))
-        threads[-1].start()
-
-    yield start
-    for thread in threads:
-        thread.join(10)
-    if errors:
-        raise errors[0]
 
 
 def open_watches(fake: FakeK8s) -> int:

@@ -45,36 +45,12 @@ from kubellm.backends.kubernetes.pytorchjob import (
 )
 from kubellm.train.metric_lines import parse_metrics
 
-from .conftest import POLL_S
+from .conftest import FAILED, POLL_S, RUNNING, SUCCEEDED
 
 NS = "default"
 NAME = "llm-train"
 MASTER = f"{NAME}-master-0"
 JOBS_PATH = f"/apis/kubeflow.org/v1/namespaces/{NS}/pytorchjobs"
-
-CREATED = {"type": "Created", "status": "True", "reason": "PyTorchJobCreated"}
-RUNNING = {"conditions": [CREATED, {"type": "Running", "status": "True"}]}
-SUCCEEDED = {
-    "conditions": [
-        CREATED,
-        {"type": "Running", "status": "False"},
-        {"type": "Succeeded", "status": "True", "reason": "PyTorchJobSucceeded"},
-    ],
-    "replicaStatuses": {"Master": {"succeeded": 1}},
-}
-FAILED = {
-    "conditions": [
-        CREATED,
-        {"type": "Running", "status": "False"},
-        {
-            "type": "Failed",
-            "status": "True",
-            "reason": "PyTorchJobFailed",
-            "message": f"PyTorchJob {NS}/{NAME} is failed because 1 Master replica(s) failed.",
-        },
-    ],
-    "replicaStatuses": {"Master": {"failed": 1}},
-}
 
 
 def manifest(lr: str = "0.003") -> dict[str, Any]:
@@ -170,30 +146,6 @@ class Operator:
 @pytest.fixture
 def operator(fake_k8s: FakeK8s) -> Operator:
     return Operator(fake_k8s)
-
-
-@pytest.fixture
-def play() -> Iterator[Callable[[Callable[[], None]], None]]:
-    """Run a story (the cluster's side of a test) in a thread; its errors fail the test."""
-    threads: list[threading.Thread] = []
-    errors: list[BaseException] = []
-
-    def start(story: Callable[[], None]) -> None:
-        def target() -> None:
-            try:
-                story()
-            except BaseException as e:
-                errors.append(e)
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        threads.append(thread)
-
-    yield start
-    for thread in threads:
-        thread.join(10)
-    if errors:
-        raise errors[0]
 
 
 def run(

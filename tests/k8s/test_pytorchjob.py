@@ -15,36 +15,8 @@ from kubellm.backends.kubernetes.pytorchjob import (
     pytorchjob_manifest,
 )
 
-from .conftest import POLL_S
+from .conftest import FAILED, POLL_S, RUNNING, SUCCEEDED
 
-CREATED = {"type": "Created", "status": "True", "reason": "PyTorchJobCreated"}
-RUNNING = {"conditions": [CREATED, {"type": "Running", "status": "True"}]}
-SUCCEEDED = {
-    "conditions": [
-        CREATED,
-        {"type": "Running", "status": "False"},
-        {
-            "type": "Succeeded",
-            "status": "True",
-            "reason": "PyTorchJobSucceeded",
-            "message": "PyTorchJob default/llm-train successfully completed.",
-        },
-    ],
-    "replicaStatuses": {"Master": {"succeeded": 1}},
-}
-FAILED = {
-    "conditions": [
-        CREATED,
-        {"type": "Running", "status": "False"},
-        {
-            "type": "Failed",
-            "status": "True",
-            "reason": "PyTorchJobFailed",
-            "message": "PyTorchJob default/llm-train is failed because 1 Master replica(s) failed.",
-        },
-    ],
-    "replicaStatuses": {"Master": {"failed": 1}},
-}
 LOG = "step=10 loss=2.5\nloss=2.0\neval_loss=1.75\nnot a metric\n"
 
 

@@ -479,7 +479,9 @@ class KubeClient:
             raise
         return True
 
-    def pod_log(self, namespace: str, label_selector: str) -> tuple[str, str]:
+    def pod_log(
+        self, namespace: str, label_selector: str, container: str | None = None
+    ) -> tuple[str, str]:
         """(pod name, full log) of the pod the selector picks; prefers a finished pod.
 
         The log is read raw: the generated client would json-decode a log that happens to
@@ -492,8 +494,13 @@ class KubeClient:
             raise LookupError(f"no pod in {namespace} matches {label_selector}")
         pods.sort(key=lambda p: (getattr(p.status, "phase", "") != "Succeeded", p.metadata.name))
         pod = pods[0].metadata.name
+        kwargs: dict[str, Any] = {"container": container} if container else {}
         resp = self.core.read_namespaced_pod_log(
-            pod, namespace, _preload_content=False, _request_timeout=self.request_timeout_s
+            pod,
+            namespace,
+            _preload_content=False,
+            _request_timeout=self.request_timeout_s,
+            **kwargs,
         )
         data = resp.data
         return pod, data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)

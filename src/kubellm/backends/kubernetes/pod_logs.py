@@ -313,18 +313,9 @@ class PodLogs:
 
     def _fallback(self) -> None:
         """No pod was followed (it came and went between two looks): read the log once, of
-        the pod `KubeClient.pod_log` would pick."""
+        the pod `KubeClient.pod_log` picks."""
         try:
-            pods = self.kube.core.list_namespaced_pod(
-                self.namespace,
-                label_selector=self.selector,
-                _request_timeout=self.kube.request_timeout_s,
-            ).items
-            if not pods:
-                raise LookupError(f"no pod in {self.namespace} matches {self.selector}")
-            pods.sort(key=lambda p: (p.status.phase != "Succeeded", p.metadata.name))
-            pod = pods[0].metadata.name
-            data = self._read(pod)
+            pod, text = self.kube.pod_log(self.namespace, self.selector, self.container)
         except ApiException as e:
             self._errors.append(
                 f"reading the log of {self.selector}: HTTP {e.status} {api_message(e)}"
@@ -333,6 +324,7 @@ class PodLogs:
         except Exception as e:
             self._errors.append(f"reading the log of {self.selector}: {e}")
             return
+        data = text.encode()
         segment = Segment(pod)
         self._segments[(pod, 0)] = segment
         self._append(segment, data)

@@ -230,14 +230,9 @@ class PyTorchJobTrainer(Trainer):
             follow_logs=master_selector(name),
             log_container=CONTAINER,
         )
-        logs = outcome.logs
-        if not logs:  # e.g. the log stream broke: read the kept pod's log once more
-            try:
-                _, logs = self.kube.pod_log(ns, master_selector(name))
-            except Exception as e:  # the metrics are in this log; a result without them misleads
-                why = outcome.log_error or str(e)
-                raise JobFailed(
-                    f"pytorchjob/{name} in {ns} succeeded but its master pod's log could not "
-                    f"be read ({why}); the pod must outlive the job (cleanPodPolicy None)"
-                ) from e
-        return JobResult(name=name, logs=logs, metrics=parse_metrics(logs))
+        if outcome.log_error is not None:  # the metrics are in this log; none misleads
+            raise JobFailed(
+                f"pytorchjob/{name} in {ns} succeeded but its master pod's log could not be "
+                f"read ({outcome.log_error}); the pod must outlive the job (cleanPodPolicy None)"
+            )
+        return JobResult(name=name, logs=outcome.logs, metrics=parse_metrics(outcome.logs))
