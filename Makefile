@@ -81,6 +81,10 @@ bench-prepare: $(STAMP) ## prepare_data vs the fastest tokenizer call and datase
 bench-train: $(STAMP) ## Training tokens/s: kubellm.train vs HF Trainer and a minimal DDP loop
 	$(BIN)/python -m bench.train_bench --repeats 3 --out docs/benchmarks-train.md $(ARGS)
 
+.PHONY: gpu-check
+gpu-check: $(STAMP) ## GPU node check, every GPU: NCCL busbw, DDP + FSDP2 train/export/generate, exact resume
+	$(BIN)/python -m bench.gpu_check --device cuda --out runs/gpu-check.md $(ARGS)
+
 CRDS_DIR := tests/fixtures/crds
 
 .PHONY: update-crds

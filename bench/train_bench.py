@@ -21,6 +21,24 @@ losses should agree) and MFU where the engine prints it (on CPU against a measur
 peak, on GPUs against the data-sheet bf16 peak): on a GPU machine the same command runs
 the contenders on the GPUs (nccl, bf16) and reads as an MFU report.
 
+GPU mode (`--device cuda`, or `auto` on a machine with GPUs) uses the `gpu-1b` preset unless
+told otherwise (`--preset cpu` keeps the CPU model on the GPUs, at most 2 of them): a Llama
+of about 1.1B parameters shaped like Llama 3.2 1B with full multi-head attention (hidden
+2048, 16 layers, 16 heads of 128, MLP 8192, tied embeddings; ModelConfig has no GQA), a
+byte-level BPE of 32,000 tokens trained by prepare on a generated English-like corpus
+(`bench/corpus.py`, 32 MiB, packed to 2,048-token rows), every GPU of the node (nproc =
+torch.cuda.device_count()), bf16, 8 sequences per GPU per step (micro-batches of 4, 2
+accumulation steps), AdamW lr 3e-4. The report then also gives MFU for every contender
+(tokens/s x the PaLM FLOPs per token of `kubellm.train.mfu.model_flops_per_token` / GPUs /
+the data-sheet dense bf16 peak of `kubellm.train.mfu.gpu_peak`) and each contender's peak
+GPU memory (`torch.cuda.max_memory_allocated` on rank 0, GiB: the engine's `peak_mem_gb`
+metric, the peers' `bench_peak_mem_gb`). On GPUs the peers also leave out what the engine
+does not do per step: the HF Trainer runs with `logging_nan_inf_filter=False` (its default
+reads the loss on the host every step), `average_tokens_across_devices=False` (an all-gather
+per step; the engine, like the loop, averages each rank's mean loss) and
+`ddp_broadcast_buffers=False`, and the DDP loop with `broadcast_buffers=False` (the
+engine's DDP setting); on CPU the peers run exactly as before.
+
 Like with like is recorded, not assumed: each peer prints what it actually built (its
 optimizer's class, fused / foreach, lr, betas, eps, weight decay; the model's class,
 parameters and a hash of its initial weights; batch per process, precision, torch
@@ -30,6 +48,8 @@ side and marks any setting that differs.
 
     python -m bench.train_bench [--repeats 3] [--out docs/benchmarks-train.md] [--check]
     python -m bench.train_bench --quick --out /tmp/train-bench.md     # the smoke test's size
+    python -m bench.train_bench --device cuda [--preset gpu-1b] --out /tmp/train-gpu.md
+    python -m bench.train_bench --device cuda --preset gpu-1b --nproc 8 --dry-run  # no GPU needed
 """
 
 from __future__ import annotations
@@ -69,6 +89,9 @@ MODULES = {
     "hf_trainer": "bench.peers.hf_trainer",
     "ddp_loop": "bench.peers.ddp_loop",
 }
+# The engine's metric for rank 0's torch.cuda.max_memory_allocated, in GiB (2**30 bytes),
+# printed in its `name=value` lines on GPUs; the peers print `bench_peak_mem_gb`, same unit.
+ENGINE_PEAK_MEM = "peak_mem_gb"
 
 
 # --- the setup -------------------------------------------------------------------------------
@@ -99,6 +122,9 @@ class Setup:
     weight_decay: float = 0.0
     adam_beta2: float = 0.999
     grad_clip: float = 1.0
+    grad_accum: int = 1  # micro-batches per step (batch is per step, all processes)
+    corpus_mb: float = 0.0  # 0: the synthetic arithmetic records; else bench.corpus, MiB
+    preset: str = "cpu"
 
     @property
     def tokens_per_step(self) -> int:
@@ -126,7 +152,7 @@ def train_config(setup: Setup, dataset_dir: Path, output_dir: Path) -> dict[str,
         "backend": "nccl" if setup.device == "cuda" else "gloo",
         "precision": setup.precision,
         "strategy": "ddp",
-        "grad_accum_steps": 1,
+        "grad_accum_steps": setup.grad_accum,
         "model": {
             "hidden_size": setup.hidden,
             "num_layers": setup.layers,
@@ -140,22 +166,51 @@ def train_config(setup: Setup, dataset_dir: Path, output_dir: Path) -> dict[str,
 
 
 def ensure_dataset(cache_dir: Path, setup: Setup) -> Path:
-    """The synthetic dataset (kubellm.data.prepare), prepared once per shape and cached."""
-    path = cache_dir / (
-        f"train-data-r{setup.num_records}-v{setup.vocab}-s{setup.seq_len}-seed{setup.seed}"
+    """The bench's dataset (kubellm.data.prepare), prepared once per shape and cached."""
+    return prepare_dataset(
+        cache_dir,
+        num_records=setup.num_records,
+        vocab=setup.vocab,
+        seq_len=setup.seq_len,
+        seed=setup.seed,
+        corpus_mb=setup.corpus_mb,
     )
+
+
+def prepare_dataset(
+    cache_dir: Path, *, num_records: int, vocab: int, seq_len: int, seed: int, corpus_mb: float
+) -> Path:
+    """A dataset prepared once per shape and cached under `cache_dir`.
+
+    `corpus_mb` 0: `num_records` synthetic arithmetic records (a few tokens each: the CPU
+    bench's data). Otherwise the generated English-like corpus of that many MiB
+    (`bench.corpus`, documents of 300 to 3,000 characters, concatenated with EOS and packed
+    to `seq_len`), on which prepare trains a byte-level BPE of `vocab` tokens: the data for
+    long rows and a real-sized vocabulary (16 MiB gives about 1,300 rows of 2,048 tokens
+    with a 32,000-token BPE).
+    """
+    if corpus_mb:
+        name = f"train-data-corpus{corpus_mb:g}mib-v{vocab}-s{seq_len}-seed{seed}"
+    else:
+        name = f"train-data-r{num_records}-v{vocab}-s{seq_len}-seed{seed}"
+    path = cache_dir / name
     if (path / "manifest.json").is_file():
         return path
     from kubellm.data.prepare import PrepareParams, prepare
 
     cache_dir.mkdir(parents=True, exist_ok=True)
+    if corpus_mb:
+        from bench.corpus import ensure_corpus
+
+        corpus = ensure_corpus(cache_dir, corpus_mb, seed)
+        params = PrepareParams(
+            source=str(corpus.path), vocab_size=vocab, seq_len=seq_len, seed=seed
+        )
+    else:
+        params = PrepareParams(
+            num_records=num_records, vocab_size=vocab, seq_len=seq_len, seed=seed
+        )
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".train-data-"))
-    params = PrepareParams(
-        num_records=setup.num_records,
-        vocab_size=setup.vocab,
-        seq_len=setup.seq_len,
-        seed=setup.seed,
-    )
     with contextlib.redirect_stdout(sys.stderr):
         prepare(params, tmp)
     shutil.rmtree(path, ignore_errors=True)
@@ -180,6 +235,7 @@ class Run:
     threads: int | None  # torch threads per process (peers report it)
     wall_s: float  # the whole torchrun command, start-up included
     settings: dict[str, Any] | None = None  # a peer's `bench_setup` line: what it ran
+    peak_mem_gib: float | None = None  # GPUs: rank 0's torch.cuda.max_memory_allocated, GiB
 
 
 def command(contender: str, setup: Setup, config: Path) -> list[str]:
@@ -267,9 +323,12 @@ def parse_engine(
     tokens = seconds = mfu_seconds = 0.0
     has_mfu = True
     loss = math.nan
+    peak_mem: float | None = None
     marks: dict[int, float] = {}
     for t, line in stamped:
         m = parse_metrics(line)
+        if ENGINE_PEAK_MEM in m:  # GiB so far on rank 0: the last line has the run's peak
+            peak_mem = max(peak_mem or 0.0, m[ENGINE_PEAK_MEM])
         if "step" not in m or "tokens_per_sec" not in m:
             continue
         step = int(m["step"])
@@ -299,6 +358,7 @@ def parse_engine(
         flops_per_token=None,
         threads=None,
         wall_s=wall,
+        peak_mem_gib=peak_mem,
     )
 
 
@@ -329,6 +389,7 @@ def parse_peer(
         threads=int(result["bench_threads"]) if "bench_threads" in result else None,
         wall_s=wall,
         settings=settings,
+        peak_mem_gib=result.get("bench_peak_mem_gb"),
     )
 
 
@@ -411,16 +472,43 @@ def ratios(runs: list[Run]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def mfu_of(run: Run, kubellm_run: Run) -> float | None:
+def mfu_of(run: Run, kubellm_run: Run, gpu: GpuPeak | None = None) -> float | None:
     """MFU: the engine's own figure; a peer's at the same FLOPs/token and peak, by its rate.
 
     The engine's MFU is tokens/s x FLOPs/token / processes / peak; a peer in the same
     repeat trains the same model on the same device, so its MFU is the engine's scaled by
     the ratio of tokens/s (the engine's CPU peak is measured per run, hence same repeat).
+    On GPUs (`gpu`: the data-sheet peak and the peers' FLOPs per token) every contender's
+    MFU is computed here the same way, from its own tokens/s.
     """
+    if gpu is not None:
+        return run.tokens_per_sec * gpu.flops_per_token / gpu.nproc / gpu.peak
     if kubellm_run.mfu is None:
         return None
     return kubellm_run.mfu * run.tokens_per_sec / kubellm_run.tokens_per_sec
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPeak:
+    """What a GPU run's MFU is computed against."""
+
+    name: str  # torch.cuda.get_device_name(0)
+    peak: float  # dense bf16 FLOP/s of one GPU (kubellm.train.mfu.gpu_peak)
+    flops_per_token: float  # the peers' kubellm.train.mfu.model_flops_per_token
+    nproc: int
+
+
+def gpu_peak_of(setup: Setup, runs: list[Run], device_name: str | None) -> GpuPeak | None:
+    """The GPU MFU basis of a cuda run; None on CPU, an unknown GPU or no FLOPs figure."""
+    if setup.device != "cuda" or not device_name:
+        return None
+    from kubellm.train import mfu
+
+    peak = mfu.gpu_peak(device_name)
+    fpt = next((r.flops_per_token for r in runs if r.flops_per_token), None)
+    if not peak or not fpt:
+        return None
+    return GpuPeak(device_name, peak, fpt, setup.nproc)
 
 
 # --- the report --------------------------------------------------------------------------
@@ -499,6 +587,48 @@ def _verdict(ok: bool) -> str:
     return "pass" if ok else "FAIL"
 
 
+def gpu_figures(setup: Setup, runs: list[Run], gpu: GpuPeak | None) -> str:
+    """The GPU section of the report (empty on CPU): per-GPU tokens/s, MFU, peak memory."""
+    if setup.device != "cuda":
+        return ""
+    groups = by_contender(runs)
+    rows = [
+        "| contender | best tokens/s | per GPU | MFU, best run | peak GPU memory GiB, per run |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name, rs in groups.items():
+        best = max(rs, key=lambda r: r.tokens_per_sec)
+        mfu = mfu_of(best, best, gpu) if gpu is not None else None
+        mem = ", ".join(_fmt(r.peak_mem_gib, ".2f") for r in rs)
+        rows.append(
+            f"| {LABELS[name]} | {_fmt(best.tokens_per_sec)} "
+            f"| {_fmt(best.tokens_per_sec / setup.nproc)} | {_fmt(mfu, '.1%')} | {mem} |"
+        )
+    basis = (
+        f"{gpu.name}: {gpu.peak / 1e12:g} TFLOP/s dense bf16 (data sheet, "
+        f"`kubellm.train.mfu.gpu_peak`), {gpu.flops_per_token:,.0f} FLOPs per token "
+        "(`kubellm.train.mfu.model_flops_per_token`, the PaLM formula)"
+        if gpu is not None
+        else "no data-sheet peak known for this GPU (or no FLOPs figure): MFU n/a"
+    )
+    engine_mem = (
+        ""
+        if any(r.peak_mem_gib is not None for r in groups["kubellm"])
+        else f" The engine printed no `{ENGINE_PEAK_MEM}=` metric in this run: its memory is n/a."
+    )
+    return f"""
+## GPU figures
+
+{chr(10).join(rows)}
+
+- {setup.nproc} GPU(s), one process each, nccl, {setup.precision}, preset `{setup.preset}`.
+- MFU: tokens/s x FLOPs per token / GPUs / peak; {basis}.
+- Peak GPU memory: `torch.cuda.max_memory_allocated` on rank 0 over the whole run, GiB
+  (2^30 bytes): the engine's `{ENGINE_PEAK_MEM}` metric (its last metric line), the peers'
+  `bench_peak_mem_gb`.{engine_mem}
+"""
+
+
 def report(
     setup: Setup,
     runs: list[Run],
@@ -507,6 +637,7 @@ def report(
     dataset: dict[str, Any],
     loads: tuple[str, str],
     settings: dict[str, dict[str, Any]],
+    gpu: GpuPeak | None = None,
 ) -> tuple[str, str, dict[str, dict[str, Any]]]:
     """(the results table, the whole markdown report, the ratios)."""
     groups = by_contender(runs)
@@ -537,7 +668,7 @@ def report(
         parent = ", ".join(_fmt(r.parent_tokens_per_sec) for r in rs)
         losses = ", ".join(_fmt(r.loss, ".4f") for r in rs)
         mfus = ", ".join(
-            _fmt(mfu_of(r, k), ".1%") for r, k in zip(rs, groups["kubellm"], strict=True)
+            _fmt(mfu_of(r, k, gpu), ".1%") for r, k in zip(rs, groups["kubellm"], strict=True)
         )
         walls = ", ".join(f"{r.wall_s:.0f}" for r in rs)
         contender_rows.append(
@@ -561,12 +692,32 @@ def report(
         if all(r.mfu is not None for r in groups["kubellm"])
         else "the engine printed no `mfu=` value in this run: MFU is n/a."
     )
+    if gpu is not None:
+        mfu_note = (
+            f"every contender's tokens/s x {gpu.flops_per_token:,.0f} FLOPs/token / "
+            f"{gpu.nproc} GPU(s) / {gpu.peak / 1e12:g} TFLOP/s, the dense bf16 data-sheet peak "
+            f"of one {gpu.name} (see GPU figures below); the engine's own `mfu=`: {engine_mfu}."
+        )
+    elif setup.device == "cuda":
+        mfu_note += (
+            " (No data-sheet bf16 peak is known for this GPU, or no peer printed its "
+            "FLOPs per token.)"
+        )
     machine = "\n".join(f"| {k} | {v} |" for k, v in info.items())
+    source = (
+        f"documents of a generated {setup.corpus_mb:g} MiB English-like corpus, bench/corpus.py"
+        if setup.corpus_mb
+        else "synthetic records"
+    )
     data_line = (
         f"{dataset['rows']['train']:,} train rows of {setup.seq_len} tokens "
-        f"({dataset['tokens']['train']:,} tokens; {int(dataset['records']['read']):,} synthetic "
-        f"records, BPE vocab {dataset['tokenizer'].get('vocab_size', '?')})"
+        f"({dataset['tokens']['train']:,} tokens; {int(dataset['records']['read']):,} {source}, "
+        f"BPE vocab {dataset['tokenizer'].get('vocab_size', '?')})"
     )
+    per_process = f"{setup.batch // setup.nproc} per process"
+    if setup.grad_accum > 1:
+        micro = setup.batch // setup.nproc // setup.grad_accum
+        per_process += f": {setup.grad_accum} micro-batches of {micro}"
     dev = (
         f"{setup.nproc} processes, gloo, CPU, {setup.threads} torch thread(s) each"
         if setup.device == "cpu"
@@ -621,7 +772,7 @@ All three: `python -m torch.distributed.run --standalone --nproc_per_node={setup
 precision {setup.precision}, the same TrainConfig JSON: Llama from `kubellm.train.model.new_llama`
 (hidden {setup.hidden}, {setup.layers} layers, {setup.heads} heads, intermediate \
 {setup.intermediate}), seeded with `torch.manual_seed({setup.seed})` before it is built;
-{data_line}; global batch {setup.batch} ({setup.batch // setup.nproc} per process),
+{data_line}; global batch {setup.batch} ({per_process}),
 {setup.steps} steps, AdamW lr {setup.learning_rate:g}, betas (0.9, {setup.adam_beta2}),
 weight decay {setup.weight_decay:g}, grad clip {setup.grad_clip:g}, {setup.warmup_steps} warmup
 steps then cosine to 10 % of the peak.
@@ -650,7 +801,7 @@ the peers: a `bench_setup` line after their measured steps); "initial weights" i
 the parameters before the first step:
 
 {settings_table(settings)}
-
+{gpu_figures(setup, runs, gpu)}
 ## Machine
 
 | | |
@@ -690,24 +841,88 @@ QUICK = {
     "repeats": 1,
     "timeout": 180.0,
 }
+# What every preset that does not say otherwise uses (the CPU bench's settings).
+BASE = {
+    "vocab": 512,
+    "grad_accum": 1,
+    "corpus_mb": 0.0,
+    "learning_rate": 3e-3,
+    "warmup_steps": 20,
+    "batch_per_gpu": 0,  # > 0: the global batch is this x nproc (when --batch is not given)
+}
+# About 1.1B parameters, shaped like Llama 3.2 1B but with full multi-head attention
+# (ModelConfig has no num_key_value_heads): 2048 wide, 16 layers, 16 heads of 128, MLP 8192,
+# tied embeddings; a 32,000-token BPE trained on the generated corpus; 2,048-token rows.
+GPU_1B = {
+    "steps": 60,
+    "skip": 20,
+    "log_every": 10,
+    "batch": None,
+    "batch_per_gpu": 8,
+    "grad_accum": 2,
+    "seq_len": 2048,
+    "num_records": 0,
+    "corpus_mb": 32.0,
+    "vocab": 32000,
+    "hidden": 2048,
+    "layers": 16,
+    "heads": 16,
+    "intermediate": 8192,
+    "learning_rate": 3e-4,
+    "warmup_steps": 10,
+    "repeats": 3,
+    "timeout": 1800.0,
+}
+PRESETS: dict[str, dict[str, Any]] = {"cpu": FULL, "cpu-quick": QUICK, "gpu-1b": GPU_1B}
+
+
+def resolve_device(device: str) -> str:
+    """auto -> cuda when torch sees a GPU, else cpu."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_preset(preset: str, quick: bool, device: str) -> str:
+    """`--preset` as asked; `auto`: cpu-quick with --quick, gpu-1b on GPUs, else cpu."""
+    if preset != "auto":
+        return preset
+    if quick:
+        return "cpu-quick"
+    return "gpu-1b" if device == "cuda" else "cpu"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument(
+        "--preset",
+        choices=("auto", *PRESETS),
+        default="auto",
+        help="sizes: cpu (the CPU bench), cpu-quick (--quick), gpu-1b (a ~1.1B Llama, seq "
+        "2048, every GPU); auto: gpu-1b on GPUs, else cpu (cpu-quick with --quick)",
+    )
     ap.add_argument("--repeats", type=int, help="interleaved rounds (default 3; quick 1)")
     ap.add_argument("--steps", type=int, help="optimizer steps per run (default 400)")
     ap.add_argument("--skip", type=int, help="warmup steps left out (multiple of log-every)")
     ap.add_argument("--log-every", type=int, help="kubellm's metric window (default 20)")
     ap.add_argument("--batch", type=int, help="global batch, sequences (default 64)")
+    ap.add_argument("--grad-accum", type=int, help="micro-batches per step (default 1)")
     ap.add_argument("--seq-len", type=int, help="dataset sequence length (default 32)")
     ap.add_argument("--num-records", type=int, help="synthetic records (default 20000)")
+    ap.add_argument("--corpus-mb", type=float, help="MiB of generated text instead (gpu-1b: 32)")
     ap.add_argument("--hidden", type=int, help="model width (default 128)")
     ap.add_argument("--layers", type=int, help="decoder layers (default 3)")
     ap.add_argument("--heads", type=int, help="attention heads (default 4)")
     ap.add_argument("--intermediate", type=int, help="MLP width (default 256)")
+    ap.add_argument("--learning-rate", type=float, help="peak AdamW lr (default 3e-3)")
+    ap.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 20)")
     ap.add_argument("--timeout", type=float, help="seconds per torchrun run before it is killed")
-    ap.add_argument("--vocab", type=int, default=512, help="BPE vocabulary asked of prepare")
-    ap.add_argument("--nproc", type=int, help="processes (default 2; on GPUs min(2, #GPUs))")
+    ap.add_argument("--vocab", type=int, help="BPE vocabulary asked of prepare (default 512)")
+    ap.add_argument(
+        "--nproc", type=int, help="processes (default 2; GPUs: all of them, cpu preset: <= 2)"
+    )
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS per process (CPUs / nproc)")
@@ -717,35 +932,61 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cache-dir", default="runs/bench", help="dataset cache and scratch")
     ap.add_argument("--quick", action="store_true", help="tiny model and steps, 1 repeat")
     ap.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the setup, the TrainConfig and the model's size, and run nothing (no "
+        "GPU needed: give --nproc for --device cuda on a machine without one)",
+    )
     args = ap.parse_args(argv)
-    for name, full in FULL.items():
-        if getattr(args, name) is None:
-            setattr(args, name, QUICK[name] if args.quick else full)
+    args.device = resolve_device(args.device)
+    args.preset = pick_preset(args.preset, args.quick, args.device)
+    values = {**BASE, **PRESETS[args.preset]}
+    for name, value in values.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     if args.skip % args.log_every or not 0 < args.skip < args.steps:
         ap.error("--skip must be a multiple of --log-every and less than --steps")
     if args.steps % args.log_every:
         ap.error("--steps must be a multiple of --log-every (whole metric windows)")
+    if args.preset == "gpu-1b" and args.device != "cuda":
+        ap.error("--preset gpu-1b runs on GPUs: --device cuda (no GPU is visible here)")
+    if args.corpus_mb < 0 or (not args.corpus_mb and args.num_records < 100):
+        ap.error("--num-records must be >= 100 (or give --corpus-mb)")
     return args
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
     import torch
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    nproc = args.nproc or (2 if device == "cpu" else max(1, min(2, torch.cuda.device_count())))
+    device = resolve_device(args.device)
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    if args.nproc:
+        nproc = args.nproc
+    elif device == "cpu":
+        nproc = 2
+    elif args.preset == "gpu-1b":
+        nproc = gpus  # every GPU of the node
+    else:
+        nproc = min(2, gpus)  # the CPU model on GPUs, as before the GPU preset
+    if nproc < 1:
+        raise SystemExit("no GPU visible: give --nproc (with --dry-run) or --device cpu")
     precision = args.precision
     if precision == "auto":
-        precision = "bf16" if device == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        bf16 = device == "cuda" and (args.dry_run or torch.cuda.is_bf16_supported())
+        precision = "bf16" if bf16 else "fp32"
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // nproc)
-    if args.batch % nproc:
-        raise SystemExit(f"--batch {args.batch} must be divisible by {nproc} processes")
+    batch = args.batch or args.batch_per_gpu * nproc
+    if batch % (nproc * args.grad_accum):
+        raise SystemExit(
+            f"--batch {batch} must be divisible by {nproc} processes x {args.grad_accum} "
+            "micro-batches (--grad-accum)"
+        )
     return Setup(
         steps=args.steps,
         skip=args.skip,
         log_every=args.log_every,
-        batch=args.batch,
+        batch=batch,
         seq_len=args.seq_len,
         num_records=args.num_records,
         vocab=args.vocab,
@@ -758,7 +999,66 @@ def make_setup(args: argparse.Namespace) -> Setup:
         precision=precision,
         threads=threads,
         seed=args.seed,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        grad_accum=args.grad_accum,
+        corpus_mb=args.corpus_mb,
+        preset=args.preset,
     )
+
+
+class _Vocab:
+    """Stands in for a tokenizer where only its size and special ids matter (the dry run)."""
+
+    bos_token_id = eos_token_id = 0
+    pad_token_id = 1
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def model_params(setup: Setup, vocab: int | None = None) -> int:
+    """Parameters of the bench's model (built on the meta device: no memory, no init)."""
+    import torch
+
+    from kubellm.config import ModelConfig
+    from kubellm.train.model import new_llama
+
+    cfg = ModelConfig(**train_config_model(setup))
+    with torch.device("meta"):
+        model = new_llama(cfg, _Vocab(vocab or setup.vocab))  # type: ignore[arg-type]
+    return sum(p.numel() for p in model.parameters())
+
+
+def train_config_model(setup: Setup) -> dict[str, Any]:
+    return dict(train_config(setup, Path("dataset"), Path("model"))["model"])
+
+
+def dry_run(setup: Setup) -> int:
+    """What the bench would run, printed: the setup, the TrainConfig, the model's size."""
+    cfg = train_config(setup, Path("<dataset>"), Path("<scratch>/model"))
+    params = model_params(setup)
+    micro = setup.batch // setup.nproc // setup.grad_accum
+    print(
+        f"preset {setup.preset}: {setup.nproc} x {setup.device} ({setup.precision}), "
+        f"global batch {setup.batch} x {setup.seq_len} tokens = {setup.tokens_per_step:,} "
+        f"tokens per step ({setup.grad_accum} micro-batch(es) of {micro} per process), "
+        f"{setup.steps} steps (first {setup.skip} skipped)\n"
+        f"model: {params:,} parameters with a {setup.vocab:,}-token vocabulary "
+        "(the prepared BPE's size is used when it runs)\n"
+        "data: "
+        + (
+            f"a generated {setup.corpus_mb:g} MiB corpus (bench/corpus.py), BPE {setup.vocab}"
+            if setup.corpus_mb
+            else f"{setup.num_records:,} synthetic records, BPE {setup.vocab}"
+        )
+        + f", rows of {setup.seq_len}\nTrainConfig:\n{json.dumps(cfg, indent=2)}",
+        flush=True,
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -767,6 +1067,8 @@ def main(argv: list[str] | None = None) -> int:
         ["python", "-m", "bench.train_bench", *(sys.argv[1:] if argv is None else argv)]
     )
     setup = make_setup(args)
+    if args.dry_run:
+        return dry_run(setup)
     cache = Path(args.cache_dir).resolve()
     work = cache / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -795,18 +1097,24 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
     settings = contender_settings(runs, engine)
-    table, md, rat = report(setup, runs, info, cmd, manifest, (load_start, load_end), settings)
+    gpu = gpu_peak_of(setup, runs, device_name(setup))
+    table, md, rat = report(setup, runs, info, cmd, manifest, (load_start, load_end), settings, gpu)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(md)
     if args.json:
-        figures = {
+        figures: dict[str, Any] = {
             "setup": dataclasses.asdict(setup),
             "ratios": rat,
             "runs": [dataclasses.asdict(r) for r in runs],
             "config": cfg,
             "contenders": settings,
         }
+        if setup.device == "cuda":
+            figures["gpu"] = dataclasses.asdict(gpu) if gpu is not None else None
+            figures["mfu"] = {
+                f"{r.contender}/{r.repeat}": mfu_of(r, r, gpu) if gpu else None for r in runs
+            }
         Path(args.json).write_text(json.dumps(figures, indent=2))
     print()
     print(settings_table(settings))
@@ -815,9 +1123,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         if r.contender == "kubellm" and r.mfu is not None:
             print(f"kubellm mfu (run {r.repeat}): {r.mfu:.1%}")
+    if setup.device == "cuda":
+        print(gpu_figures(setup, runs, gpu))
     print(f"\nwrote {out} ({time.perf_counter() - t0:.0f} s)")
     ok = all(x["pass"] for x in rat.values())
     return 1 if args.check and not ok else 0
+
+
+def device_name(setup: Setup) -> str | None:
+    if setup.device != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 if __name__ == "__main__":

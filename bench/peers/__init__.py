@@ -9,7 +9,9 @@ training step: each peer's step is its own, and that is what is measured.
 
 Each peer prints, on rank 0, `bench_step=K` marks (at the end of the warmup skip and of
 the last step; the parent timestamps them as a cross-check) and one result line:
-`bench_tokens_per_sec=... bench_loss=... bench_params=... bench_threads=...`, and, after
+`bench_tokens_per_sec=... bench_loss=... bench_params=... bench_threads=...` (on GPUs also
+`bench_peak_mem_gb=`: rank 0's torch.cuda.max_memory_allocated in GiB, the unit of the
+engine's `peak_mem_gb`), and, after
 the timed steps, one `bench_setup {json}` line (`describe`): the optimizer it actually built
 (class, fused / foreach, lr, betas, eps, weight decay), the model (class, parameters, a hash
 of the initial weights), batch per process, precision and torch threads, so the report
@@ -101,14 +103,24 @@ class StepClock:
         if self.rank != 0:
             return
         params = sum(p.numel() for p in model.parameters())
+        peak = peak_memory_gib(self.device)
+        memory = f" bench_peak_mem_gb={peak:.6g}" if peak is not None else ""
         print(
             f"bench_tokens_per_sec={self.tokens_per_sec():.6g} bench_loss={loss:.6g} "
             f"bench_params={params} "
             f"bench_flops_per_token={model_flops_per_token(model, seq_len):.6g} "
-            f"bench_threads={torch.get_num_threads()}",
+            f"bench_threads={torch.get_num_threads()}{memory}",
             flush=True,
         )
         print(f"bench: device {self.device}", flush=True)
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """This rank's torch.cuda.max_memory_allocated so far, GiB (2**30 bytes, the unit of the
+    engine's `peak_mem_gb` metric); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
 
 
 SETUP_PREFIX = "bench_setup "

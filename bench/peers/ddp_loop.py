@@ -12,13 +12,21 @@ kernel per step on CPU and GPU alike (torch's default on CPU would be the slower
 single-tensor for-loop: a floor the engine would beat for the wrong reason). No logging
 inside the timed steps.
 
+With grad_accum_steps > 1 each rank's rows of the step are split into that many consecutive
+micro-batches (the engine's split), each loss divided by their number, DDP's all-reduce only
+on the last (`no_sync` before). On GPUs DDP runs with broadcast_buffers=False, the engine's
+setting (the rotary buffers are constants); on CPU with DDP's default, as this floor always
+has.
+
     python -m torch.distributed.run --standalone --nproc_per_node=2 \\
         -m bench.peers.ddp_loop --config cfg.json --skip 40
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,8 +62,10 @@ def main() -> int:
     model = new_llama(ModelConfig(**cfg["model"]), tokenizer)
     init_hash = weights_hash(model.parameters())
     model.to(device)
+    # On GPUs the engine's setting (the rotary buffers are constants); on CPU DDP's default.
+    gpu_only: dict[str, Any] = {"broadcast_buffers": False} if device.type == "cuda" else {}
     ddp = DistributedDataParallel(
-        model, device_ids=[device.index] if device.index is not None else None
+        model, device_ids=[device.index] if device.index is not None else None, **gpu_only
     )
     opt = torch.optim.AdamW(  # the engine's, for DDP: fused (one kernel per step)
         model.parameters(),
@@ -68,6 +78,8 @@ def main() -> int:
         opt, lambda s: lr_factor(s, cfg["warmup_steps"], steps)
     )
     n, per_rank = data.shape[1], batch // world
+    accum = cfg["grad_accum_steps"]
+    micro = per_rank // accum
     per_epoch = n // batch
     clock = StepClock(args.skip, steps, batch * data.shape[2], device)
     perm = torch.arange(n)
@@ -80,15 +92,23 @@ def main() -> int:
             )
         start = pos * batch + rank * per_rank
         x, y = data[:, perm[start : start + per_rank]].to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = ddp(input_ids=x, labels=y).loss
-        loss.backward()
+        loss: torch.Tensor | None = None  # this step's loss on this rank (micro-batches summed)
+        for i in range(accum):
+            xs, ys = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
+            sync = contextlib.nullcontext() if i == accum - 1 else ddp.no_sync()
+            with sync, torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                part = ddp(input_ids=xs, labels=ys).loss
+                if accum > 1:
+                    part = part / accum
+            part.backward()
+            loss = part.detach() if loss is None else loss + part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         clock.step_end(step + 1)
 
+    assert loss is not None
     final = loss.detach()
     # The last step's loss, mean of the ranks. The Work is kept until the group is gone: when
     # gloo's worker thread drops the last reference to a finished Work it needs the GIL,

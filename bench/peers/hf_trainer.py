@@ -15,7 +15,14 @@ weight_decay=0). Everything else is the Trainer's default, except
 ddp_find_unused_parameters=False: the
 default (True, for a model without gradient checkpointing) walks the autograd graph every
 step for nothing here, and a tuned HF setup turns it off; the peer should be HF at its
-reasonable best, not a strawman.
+reasonable best, not a strawman. grad_accum_steps > 1 becomes gradient_accumulation_steps
+(per_device_train_batch_size is then the micro-batch). On GPUs it also leaves out the
+per-step work the engine does not do: logging_nan_inf_filter=False (the default reads every
+step's loss on the host, `torch.isnan(loss) or ...`: a device sync per micro-batch),
+average_tokens_across_devices=False (the default all-gathers the label count every step;
+without it each rank's mean loss is averaged by DDP, as the engine does) and
+ddp_broadcast_buffers=False (the engine's DDP setting). On CPU those stay at the Trainer's
+defaults, as this peer always ran there.
 
 Steady-state time comes from a TrainerCallback's on_step_end (after the optimizer and
 scheduler steps); the loss reported is the last logged one (the mean of the last
@@ -61,33 +68,24 @@ class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
 
-def main() -> int:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+# What the engine does not do per step either (see the module docstring); on GPUs only.
+GPU_LEAN: dict[str, Any] = {
+    "logging_nan_inf_filter": False,
+    "average_tokens_across_devices": False,
+    "ddp_broadcast_buffers": False,
+}
 
-    args = parse_args("Hugging Face Trainer (train bench peer)")
-    cfg = read_config(args.config)
-    device, backend = pick_device(cfg["backend"])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    steps = cfg["steps"]
 
-    class Clock(TrainerCallback):  # type: ignore[misc]
-        """Feeds step ends to the StepClock and keeps the last logged loss."""
+def training_arguments(cfg: dict[str, Any], world: int, device: torch.device, backend: str) -> Any:
+    """The Trainer's arguments for this config, world size and device (see the docstring)."""
+    from transformers import TrainingArguments
 
-        def __init__(self, clock: StepClock) -> None:
-            self.clock = clock
-            self.loss = math.nan
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.clock.step_end(state.global_step)
-
-        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
-            if logs and "loss" in logs:
-                self.loss = float(logs["loss"])
-
-    training_args = TrainingArguments(
+    accum = cfg["grad_accum_steps"]
+    return TrainingArguments(
         output_dir=cfg.get("output_dir", "hf-out") + "-hf",
-        per_device_train_batch_size=cfg["batch_size"] // world,
-        max_steps=steps,
+        per_device_train_batch_size=cfg["batch_size"] // world // accum,
+        gradient_accumulation_steps=accum,
+        max_steps=cfg["steps"],
         learning_rate=cfg["learning_rate"],
         weight_decay=cfg["weight_decay"],
         adam_beta1=0.9,
@@ -112,7 +110,35 @@ def main() -> int:
         ddp_find_unused_parameters=False,
         seed=cfg["seed"],
         log_level="warning",
+        **(GPU_LEAN if device.type == "cuda" else {}),
     )
+
+
+def main() -> int:
+    from transformers import Trainer, TrainerCallback
+
+    args = parse_args("Hugging Face Trainer (train bench peer)")
+    cfg = read_config(args.config)
+    device, backend = pick_device(cfg["backend"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    steps = cfg["steps"]
+    accum = cfg["grad_accum_steps"]
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        """Feeds step ends to the StepClock and keeps the last logged loss."""
+
+        def __init__(self, clock: StepClock) -> None:
+            self.clock = clock
+            self.loss = math.nan
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.clock.step_end(state.global_step)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+            if logs and "loss" in logs:
+                self.loss = float(logs["loss"])
+
+    training_args = training_arguments(cfg, world, device, backend)
     tokenizer = load_tokenizer(Path(cfg["dataset_dir"]) / "tokenizer")
     data = load_rows(cfg["dataset_dir"])
     torch.manual_seed(cfg["seed"])  # right before the model, as the engine does
@@ -128,7 +154,8 @@ def main() -> int:
     opt = trainer.optimizer
     opt = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps torch's
     precision = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
-    describe(opt, model, init_hash, training_args.per_device_train_batch_size, precision)
+    per_process = training_args.per_device_train_batch_size * accum
+    describe(opt, model, init_hash, per_process, precision)
     return 0
 
 

@@ -25,7 +25,7 @@ from kubellm import RUNTIME_IMAGE
 # -- shared field types ----------------------------------------------------------------------
 
 Platform = Literal["local", "kubernetes"]
-Strategy = Literal["ddp", "fsdp"]
+Strategy = Literal["ddp", "fsdp", "hsdp"]
 Precision = Literal["auto", "fp32", "bf16"]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "hf"]
 Template = Literal["none", "prompt_response", "messages"]
@@ -57,7 +57,8 @@ DNS_1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
 STRATEGY_HELP = (
     "ddp: replicated model; fsdp: FSDP2 fully_shard (parameters, gradients and optimizer "
-    "state sharded)."
+    "state sharded over all ranks); hsdp: sharded within a node, replicated across nodes "
+    "(a 2-D mesh: less inter-node traffic)."
 )
 PRECISION_HELP = "auto: bf16 mixed precision on GPUs that support it, fp32 on CPU."
 REMOTE_CODE_HELP = "Allow a tokenizer's or model's own Python code (off unless asked)."

@@ -108,7 +108,7 @@ def test_sigkilled_worker_is_restarted_and_ends_equal_to_an_uninterrupted_run(
     ckpt = tmp_path / "ckpt"
     cfg = tiny_config(tiny_dataset, tmp_path / "killed", checkpoint_dir=str(ckpt), **values)
     run = Launch(write_config(tmp_path / "killed.json", cfg), "--max-restarts=1")
-    run.wait_for(r"train: checkpoint .*step-00000100")
+    run.wait_for(r"train: checkpoint .*step-00000100 committed")
     victim = run.workers()[-1]
     os.kill(victim, signal.SIGKILL)
     assert run.finish() == 0, run.logs[-3000:]

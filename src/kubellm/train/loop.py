@@ -6,9 +6,11 @@ unchanged. The order of work:
 
 1. `check`: everything that can be wrong with the config and the data, before any process
    group exists (a bad value fails in seconds, naming the field, with exit code 2);
-2. `build_model`: the model on CPU (a Hugging Face directory / hub name, or from config),
-   LoRA adapters, activation checkpointing, per-layer `torch.compile`;
-3. the process group (NCCL on GPUs, gloo on CPU), then DDP or FSDP2 `fully_shard`;
+2. the process group (NCCL on GPUs, gloo on CPU; under torchrun even with one rank, so the
+   strategy is the same at any size);
+3. `build_model` (a pretrained model as a skeleton on `meta`, a from-config one on CPU), then
+   `place`: DDP, or FSDP2 / HSDP `fully_shard` before the parameters get storage, and the
+   pretrained weights read once on rank 0 and streamed to the others;
 4. the loop: micro-batches with gradient accumulation, clipping, AdamW with warmup + cosine,
    metrics every `log_every` steps, DCP checkpoints, and SIGTERM / SIGUSR1 pre-emption;
 5. held-out loss, then the model exported as a Hugging Face directory (LoRA merged).
@@ -35,14 +37,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from kubellm.config import ConfigError, TrainConfig, parse_overrides, validate
-from kubellm.data.artifact import load_manifest, load_split, tokenizer_dir
+from kubellm.data.artifact import load_manifest, tokenizer_dir
 from kubellm.data.records import DataError
 from kubellm.data.tokenizer import load_tokenizer
-from kubellm.train import checkpoint, mfu
+from kubellm.train import checkpoint, mfu, shards, startup
 from kubellm.train.loader import DistributedLoader
 from kubellm.train.metric_lines import format_metrics
-from kubellm.train.model import build_model, export, hf_config, wrap
+from kubellm.train.model import build_model, export, hf_config, place, tie_weights
 from kubellm.train.preempt import EXIT_PREEMPTED, Preemption
+
+FORCE_DISTRIBUTED_ENV = "KUBELLM_FORCE_DISTRIBUTED"
 
 
 class Preempted(Exception):
@@ -75,17 +79,26 @@ class Plan:
     device: torch.device
     backend: str
     bf16: bool
+    local_world: int = 1  # ranks per node (torchrun's LOCAL_WORLD_SIZE): HSDP's shard size
 
 
-def check(cfg: TrainConfig, world_size: int, local_rank: int = 0) -> Plan:
+def check(cfg: TrainConfig, world_size: int, local_rank: int = 0, local_world: int = 0) -> Plan:
     """Everything that can be wrong before the process group starts."""
     micro = cfg.micro_batch(world_size)
+    local_world = local_world or world_size
+    if cfg.strategy == "hsdp" and world_size % local_world:
+        raise ConfigError(
+            f"invalid strategy='hsdp': WORLD_SIZE {world_size} is not a whole number of nodes "
+            f"of LOCAL_WORLD_SIZE {local_world}"
+        )
     try:
         manifest = load_manifest(cfg.dataset_dir)
         tok_dir = tokenizer_dir(cfg.dataset_dir)
         if not tok_dir.is_dir():
             raise DataError(f"{tok_dir.name}/ is missing")
         tokenizer = load_tokenizer(tok_dir)
+        # every shard against its manifest digest, into the node's memory-mapped cache
+        shards.verify(cfg.dataset_dir)
     except (DataError, OSError, ValueError) as err:
         raise ConfigError(f"invalid dataset_dir={cfg.dataset_dir!r}: {err}") from None
     seq_len = int(manifest["seq_len"])
@@ -104,6 +117,8 @@ def check(cfg: TrainConfig, world_size: int, local_rank: int = 0) -> Plan:
                 f"{vocab} but the dataset's tokenizer has {len(tokenizer)} tokens; prepare the "
                 "data with the model's tokenizer (tokenizer=<the same name>)"
             )
+        if Path(cfg.model_name_or_path).is_dir():
+            startup.weight_files(Path(cfg.model_name_or_path))  # safetensors, or a ConfigError
     elif seq_len > cfg.model.max_position_embeddings:
         raise ConfigError(
             f"invalid model.max_position_embeddings={cfg.model.max_position_embeddings}: "
@@ -117,7 +132,7 @@ def check(cfg: TrainConfig, world_size: int, local_rank: int = 0) -> Plan:
     bf16 = cfg.precision == "bf16" or (
         cfg.precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
     )
-    return Plan(tokenizer, micro, seq_len, device, backend, bf16)
+    return Plan(tokenizer, micro, seq_len, device, backend, bf16, local_world)
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -165,13 +180,16 @@ def train(cfg: TrainConfig) -> dict[str, float]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    plan = check(cfg, world, local_rank)
-    model = build_model(cfg, plan.tokenizer)
-    if world > 1:
-        if plan.device.type == "cuda":
-            torch.cuda.set_device(plan.device)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    plan = check(cfg, world, local_rank, local_world)
+    if plan.device.type == "cuda":
+        torch.cuda.set_device(plan.device)
+    # One process trains the plain model; FORCE_DISTRIBUTED_ENV=1 gives it a process group
+    # and the configured strategy anyway (`make gpu-check` exercises DDP / FSDP2 on one GPU).
+    if world > 1 or os.environ.get(FORCE_DISTRIBUTED_ENV) == "1":
         dist.init_process_group(backend=plan.backend)
     try:
+        model = build_model(cfg, plan.tokenizer)
         return _Run(cfg, plan, model, rank, world).run()
     finally:
         if dist.is_initialized():
@@ -185,31 +203,50 @@ class _Run:
         self, cfg: TrainConfig, plan: Plan, model: torch.nn.Module, rank: int, world: int
     ) -> None:
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
+        self.distributed = dist.is_initialized()
+        self.sharded = self.distributed and cfg.strategy in ("fsdp", "hsdp")
         self.model = model  # unwrapped (FSDP2 shards it in place; DDP wraps it)
-        self.engine = wrap(model, cfg, plan.device, plan.bf16, world)
+        self.engine = place(
+            model,
+            cfg,
+            plan.device,
+            plan.bf16,
+            distributed=self.distributed,
+            rank=rank,
+            local_world=plan.local_world,
+        )
+        self.startup_rss = host_peak_rss()
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # One fused kernel per step where the parameters are plain tensors (DDP, one
-        # process); FSDP2's DTensor parameters take the multi-tensor (foreach) path.
-        fused = cfg.strategy == "ddp" or world == 1
+        # One fused kernel per step for every strategy (FSDP2's DTensor parameters too, as
+        # torchtitan does).
         self.opt = torch.optim.AdamW(
             self.params,
             lr=cfg.learning_rate,
             weight_decay=cfg.weight_decay,
             betas=(0.9, cfg.adam_beta2),
-            fused=fused or None,
-            foreach=None if fused else True,
+            fused=True,
         )
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps)
         )
-        self.data = load_split(cfg.dataset_dir, "train")
         self.loader = DistributedLoader(
-            self.data,
+            shards.open_split(cfg.dataset_dir, "train"),
             global_batch=cfg.batch_size,
             micro_batch=plan.micro_batch,
             rank=rank,
             world_size=world,
             seed=cfg.seed,
+            device=plan.device,
+        )
+        self.val = shards.open_split(cfg.dataset_dir, "val")
+        # Asynchronous DCP checkpoints; LoRA runs skip the frozen base (it is reloaded from
+        # the pretrained weights, or rebuilt from the seed, at every start).
+        self.ckpt = (
+            checkpoint.Checkpointer(
+                cfg.checkpoint_dir, rank, cfg.keep_checkpoints, skip_frozen=cfg.lora is not None
+            )
+            if cfg.checkpoint_dir
+            else None
         )
         self.sink = _MlflowSink(cfg.mlflow_tracking_uri, cfg.mlflow_run_id) if rank == 0 else None
 
@@ -217,21 +254,41 @@ class _Run:
         if self.rank == 0:
             print(f"train: {msg}", flush=True)
 
+    def log_memory(self, when: str, peak: int) -> None:
+        """Every rank's host peak RSS (and the device's peak allocation) in one line."""
+        per_rank: list[Any] = [peak]
+        if self.distributed:
+            per_rank = [0] * dist.get_world_size()
+            dist.all_gather_object(per_rank, peak)
+        device = ""
+        if self.plan.device.type == "cuda":
+            device = f"; device peak {_gib(torch.cuda.max_memory_allocated(self.plan.device))} GiB"
+        self.log(
+            f"{when}: host peak RSS per rank [{', '.join(_gib(p) for p in per_rank)}] GiB, "
+            f"sum {_gib(sum(per_rank))} GiB{device}"
+        )
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         # FSDP2 casts parameters itself (MixedPrecisionPolicy); DDP and one process autocast.
-        on = self.plan.bf16 and not (self.cfg.strategy == "fsdp" and self.world > 1)
+        on = self.plan.bf16 and not self.sharded
         return torch.autocast(self.plan.device.type, dtype=torch.bfloat16, enabled=on)
 
     def _sync_grads(self, last: bool) -> contextlib.AbstractContextManager[Any]:
-        """Gradient all-reduce only on the last micro-batch of a step."""
-        if self.world == 1 or last:
-            if self.cfg.strategy == "fsdp" and self.world > 1:
-                self.engine.set_requires_gradient_sync(True)  # type: ignore[operator]
+        """What each micro-batch's backward communicates.
+
+        DDP: the all-reduce only on the last micro-batch (`no_sync` before; the gradients are
+        full-size anyway). FSDP2: a reduce-scatter after every micro-batch, so what
+        accumulates is this rank's shard; skipping it would accumulate full unsharded fp32
+        gradients on every rank and undo the sharding. HSDP: the reduce-scatter within the
+        node every micro-batch, the all-reduce across nodes only on the last.
+        """
+        if self.sharded:
+            if self.cfg.strategy == "hsdp":
+                self.engine.set_requires_all_reduce(last)  # type: ignore[operator]
             return contextlib.nullcontext()
-        if self.cfg.strategy == "ddp":
+        if self.distributed and not last:
             assert isinstance(self.engine, DistributedDataParallel)
             return self.engine.no_sync()
-        self.engine.set_requires_gradient_sync(False)  # type: ignore[operator]
         return contextlib.nullcontext()
 
     def trainer_state(self) -> dict[str, Any]:
@@ -244,22 +301,24 @@ class _Run:
             state["cuda_rng"] = torch.cuda.get_rng_state(self.plan.device)
         return state
 
-    def save(self, step: int) -> None:
-        path = checkpoint.save(
-            self.cfg.checkpoint_dir,
-            step,
-            self.engine,
-            self.opt,
-            self.trainer_state(),
-            self.rank,
-            self.cfg.keep_checkpoints,
-        )
-        self.log(f"checkpoint {path}")
+    def save(self, step: int, *, block: bool) -> None:
+        """Start checkpoint `step` (the write continues in the background unless `block`)."""
+        assert self.ckpt is not None
+        path = self.ckpt.save(step, self.engine, self.opt, self.trainer_state())
+        if block:
+            self.ckpt.wait()
+            self.log(f"checkpoint {path}")
+        else:
+            self.log(f"checkpoint {path}: writing in the background")
+
+    def close_checkpoints(self) -> None:
+        if self.ckpt is not None and (path := self.ckpt.close()) is not None:
+            self.log(f"checkpoint {path} committed")
 
     def resume(self) -> int:
-        if not self.cfg.checkpoint_dir:
+        if self.ckpt is None:
             return 0
-        resumed = checkpoint.load_latest(self.cfg.checkpoint_dir, self.engine, self.opt)
+        resumed = self.ckpt.load_latest(self.engine, self.opt)
         if resumed is None:
             return 0
         state = resumed.trainer
@@ -277,11 +336,7 @@ class _Run:
         micro = self.loader.next_batch()
         total = torch.zeros((), device=self.plan.device)
         for i, (x, y) in enumerate(micro):
-            x, y = x.to(self.plan.device), y.to(self.plan.device)
-            with self._sync_grads(i == len(micro) - 1), self.autocast():
-                loss = self.engine(input_ids=x, labels=y).loss / len(micro)
-            loss.backward()
-            total += loss.detach()
+            total += self.micro_step(x, y, len(micro), last=i == len(micro) - 1)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
             norm = norm.full_tensor()
@@ -290,20 +345,36 @@ class _Run:
         self.opt.zero_grad(set_to_none=True)
         return total, norm
 
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor, parts: int, last: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch (1/parts of the step); its loss share."""
+        with self._sync_grads(last), self.autocast():
+            loss = self.engine(input_ids=x, labels=y).loss / parts
+        loss.backward()
+        return loss.detach()
+
     def run(self) -> dict[str, float]:
+        try:
+            return self._run()
+        finally:
+            self.loader.close()  # the prefetch thread
+
+    def _run(self) -> dict[str, float]:
         cfg, plan = self.cfg, self.plan
         n_params = sum(p.numel() for p in self.model.parameters())
         n_train = sum(p.numel() for p in self.params)
         self.log(
             f"params={n_params} trainable={n_train} world_size={self.world} "
-            f"device={plan.device.type} strategy={cfg.strategy if self.world > 1 else 'single'} "
+            f"device={plan.device.type} "
+            f"strategy={cfg.strategy if self.distributed else 'single'} "
             f"precision={'bf16' if plan.bf16 else 'fp32'} sequences={self.loader.num_sequences} "
             f"seq_len={plan.seq_len} micro_batch={plan.micro_batch} "
             f"grad_accum_steps={cfg.grad_accum_steps} steps={cfg.steps}"
         )
+        self.log_memory("start-up", self.startup_rss)
         tokens_per_step = cfg.batch_size * plan.seq_len
         fpt = mfu.model_flops_per_token(self.model, plan.seq_len)
-        peak = mfu.device_peak(plan.device)
+        peak, peak_line = mfu.peak_or_reason(plan.device)
+        self.log(peak_line)
         start = self.resume()
         last: dict[str, float] = {}
         began = window_t = time.perf_counter()
@@ -330,6 +401,8 @@ class _Run:
                     }
                     if peak:
                         last["mfu"] = tps * fpt / self.world / peak
+                    if plan.device.type == "cuda":
+                        last["peak_mem_gb"] = torch.cuda.max_memory_allocated(plan.device) / 2**30
                     if self.rank == 0:
                         _emit(last, self.sink, done)
                         rate = (done - start) / (time.perf_counter() - began)
@@ -343,18 +416,24 @@ class _Run:
                     pre.drain()
                 stopping = bool(cfg.stop_after) and done == cfg.stop_after
                 periodic = bool(cfg.checkpoint_every) and done % cfg.checkpoint_every == 0
-                if cfg.checkpoint_dir and (stopping or periodic or preempted):
-                    self.save(done)
+                if self.ckpt is not None:
+                    if stopping or periodic or preempted:
+                        self.save(done, block=stopping or preempted)
+                    elif (path := self.ckpt.poll()) is not None:
+                        self.log(f"checkpoint {path} committed")
                 if preempted:
                     where = "checkpoint written" if cfg.checkpoint_dir else "no checkpoint_dir"
                     self.log(
                         f"pre-empted by {pre.name} after step {done} ({where}); "
                         f"exiting with {EXIT_PREEMPTED}"
                     )
+                    self.close_checkpoints()
                     raise Preempted
                 if stopping:
+                    self.close_checkpoints()
                     self.log(f"stopped after step {done} (stop_after)")
                     return {"train_loss": last.get("loss", math.nan), "stopped_at": float(done)}
+        self.close_checkpoints()  # the last periodic write committed, old ones deleted
         eval_loss = self.evaluate()
         final = {
             "train_loss": last.get("loss", math.nan),
@@ -365,20 +444,21 @@ class _Run:
             _emit(final, self.sink, cfg.steps)
         if cfg.save_model:
             self.export()
+        self.log_memory("end", host_peak_rss())
         return final
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over the first validation batches, the same count on every rank."""
-        val = load_split(self.cfg.dataset_dir, "val")
-        n = int(val.shape[1])
+        val = self.val
+        n = val.num_sequences
         size = max(1, min(self.plan.micro_batch, n // self.world))
         batches = max(1, min(self.cfg.eval_batches, n // (size * self.world)))
         self.engine.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.plan.device)
         for b in range(batches):
             first = ((b * self.world + self.rank) * size) % max(1, n - size + 1)
-            x, y = val[:, first : first + size].long().to(self.plan.device)
+            x, y = val.rows(torch.arange(first, first + size)).long().to(self.plan.device)
             with self.autocast():
                 loss = self.engine(input_ids=x, labels=y).loss
             total += weighted(loss, len(x))
@@ -390,7 +470,7 @@ class _Run:
     def export(self) -> None:
         """The Hugging Face directory: full weights gathered to rank 0, LoRA merged."""
         model = self.model
-        if self.cfg.strategy == "fsdp" and self.world > 1:
+        if self.sharded:
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 get_model_state_dict,
@@ -401,9 +481,11 @@ class _Run:
             )
             if self.rank != 0:
                 return
+            # The gathered tensors become the skeleton's parameters (assign): no second copy.
             skeleton = self.cfg.model_copy(update={"compile": False})
-            model = build_model(skeleton, self.plan.tokenizer, weights=False)
-            model.load_state_dict(full)
+            model = build_model(skeleton, self.plan.tokenizer, meta=True)
+            model.load_state_dict(full, assign=True)
+            tie_weights(model)
         if self.rank != 0:
             return
         if self.cfg.lora is not None:
@@ -413,6 +495,17 @@ class _Run:
         model.config.use_cache = True  # type: ignore[union-attr]  # generation uses the cache
         export(model.to("cpu"), self.plan.tokenizer, self.cfg.output_dir)
         self.log(f"exported model to {self.cfg.output_dir}")
+
+
+def host_peak_rss() -> int:
+    """This process's peak resident memory so far, bytes (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
 
 
 def weighted(loss: torch.Tensor, count: int) -> torch.Tensor:

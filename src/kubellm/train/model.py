@@ -2,24 +2,28 @@
 
 - `new_llama`: the from-config model, a small Llama-style causal LM shaped by ModelConfig
   (the local default);
-- `build_model`: what a TrainConfig asks for, on CPU in float32, identical on every rank: a
-  Hugging Face directory or hub name (safetensors only, no remote code unless asked) or
-  `new_llama`, then LoRA (PEFT), activation checkpointing, per-layer `torch.compile`;
-- `wrap`: DDP, or FSDP2 `fully_shard` per decoder layer and the root;
+- `build_model`: what a TrainConfig asks for: a Hugging Face directory or hub name (a
+  skeleton on `meta`; safetensors only, no remote code unless asked) or `new_llama` (real,
+  float32, seeded), then LoRA (PEFT), activation checkpointing, per-layer `torch.compile`;
+- `place`: DDP, or FSDP2 / HSDP `fully_shard` per decoder layer and the root, then storage
+  on the device and the pretrained weights (kubellm.train.startup: rank 0 reads them once);
 - `export`: the Hugging Face directory every later stage loads, written atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from kubellm.config import ConfigError, ModelConfig, TrainConfig
+from kubellm.train import startup
 
 
 def new_llama(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> LlamaForCausalLM:
@@ -66,38 +70,31 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def build_model(cfg: TrainConfig, tokenizer: Any, weights: bool = True) -> torch.nn.Module:
-    """The model to train, on CPU, in float32, identical on every rank (seeded).
+def is_pretrained(cfg: TrainConfig) -> bool:
+    return bool(cfg.model_name_or_path)
 
-    `weights=False` skips reading a pretrained model's weights: the same modules, to be
-    filled with `load_state_dict` (the FSDP export's rank-0 copy).
+
+def build_model(cfg: TrainConfig, tokenizer: Any, *, meta: bool | None = None) -> torch.nn.Module:
+    """The model to train, its modules complete (LoRA, activation checkpointing, compile).
+
+    A pretrained model is a skeleton: its parameters on the `meta` device (no memory, no
+    reads), filled after sharding by `place` (rank 0 reads the weights once). A from-config
+    model is real, on CPU, float32, seeded (identical on every rank) unless `meta` is asked
+    (the export's skeleton).
     """
     torch.manual_seed(cfg.seed)
+    if meta is None:
+        meta = is_pretrained(cfg)
     model: Any
-    if cfg.model_name_or_path and not weights:
-        from transformers import AutoModelForCausalLM
+    with startup.meta_parameters() if meta else contextlib.nullcontext():
+        if is_pretrained(cfg):
+            from transformers import AutoModelForCausalLM
 
-        hf = hf_config(cfg)
-        model = AutoModelForCausalLM.from_config(
-            hf, trust_remote_code=cfg.trust_remote_code, dtype=torch.float32
-        )
-    elif cfg.model_name_or_path:
-        from transformers import AutoModelForCausalLM
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.model_name_or_path,
-                trust_remote_code=cfg.trust_remote_code,
-                use_safetensors=True,  # never unpickle weights
-                dtype=torch.float32,
+            model = AutoModelForCausalLM.from_config(
+                hf_config(cfg), trust_remote_code=cfg.trust_remote_code, dtype=torch.float32
             )
-        except (OSError, ValueError) as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-            raise ConfigError(
-                f"invalid model_name_or_path={cfg.model_name_or_path!r}: {reason}"
-            ) from None
-    else:
-        model = new_llama(cfg.model, tokenizer)
+        else:
+            model = new_llama(cfg.model, tokenizer)
     # Training never reuses keys and values: without this every layer also builds a K/V
     # cache each forward (and recompiles per layer under `compile`). export() turns it on.
     model.config.use_cache = False
@@ -121,27 +118,84 @@ def build_model(cfg: TrainConfig, tokenizer: Any, weights: bool = True) -> torch
             raise ConfigError(
                 f"invalid lora.target_modules={cfg.lora.target_modules}: {err}"
             ) from None
+        if meta:
+            startup.init_adapters(model, cfg.seed)  # real before sharding, same on every rank
     if cfg.compile:
         for layer in decoder_layers(model):
             layer.compile()  # in place: parameter names (and checkpoints) stay the same
     return model
 
 
-def wrap(
-    model: torch.nn.Module, cfg: TrainConfig, device: torch.device, bf16: bool, world: int
+def tie_weights(model: torch.nn.Module) -> None:
+    """Re-tie lm_head to the input embedding where the config ties them (a state dict
+    loaded with `assign=True` gives each its own tensor)."""
+    base = _base_model(model)
+    if getattr(base.config, "tie_word_embeddings", False):
+        base.tie_weights()
+
+
+def _is_meta(model: torch.nn.Module) -> bool:
+    return any(startup._local(p).is_meta for p in model.parameters())
+
+
+def place(
+    model: torch.nn.Module,
+    cfg: TrainConfig,
+    device: torch.device,
+    bf16: bool,
+    *,
+    distributed: bool,
+    rank: int = 0,
+    local_world: int = 1,
 ) -> torch.nn.Module:
-    """DDP or FSDP2 around the model (after the process group exists); as is for one process."""
-    model.to(device)
-    if world == 1:
-        return model
-    if cfg.strategy == "ddp":
+    """Shard or replicate the model over the process group, give it storage on `device`,
+    and load the pretrained weights; returns what the loop calls (DDP's wrapper, or the
+    model itself: FSDP2 shards it in place).
+
+    FSDP2 / HSDP: `fully_shard` per decoder layer and the root while the parameters are
+    still on `meta` (a real from-config model is moved layer by layer), so no rank ever
+    holds the whole model on the device. DDP and one process: the full model on `device`.
+    """
+    sharded = distributed and cfg.strategy in ("fsdp", "hsdp")
+    if sharded:
+        _fully_shard(model, cfg, device, bf16, local_world)
+    elif not _is_meta(model):
+        model.to(device)
+    if _is_meta(model):
+        startup.materialize(model, device)
+        tie_weights(model)  # `to_empty` gives each use of a tied weight its own tensor
+        if is_pretrained(cfg):
+            report = startup.load_pretrained(
+                model, startup.resolve(cfg.model_name_or_path), rank=rank
+            )
+            if rank == 0:
+                unused = f", {len(report.unused)} unused" if report.unused else ""
+                print(
+                    f"train: loaded {report.loaded} tensors ({report.bytes / 2**30:.2f} GiB) "
+                    f"from {cfg.model_name_or_path} on rank 0{unused}",
+                    flush=True,
+                )
+    if distributed and cfg.strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
         # The model's buffers (rotary frequencies) are constants: no broadcast each forward.
-        return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+    return model
+
+
+def _fully_shard(
+    model: torch.nn.Module, cfg: TrainConfig, device: torch.device, bf16: bool, local_world: int
+) -> None:
+    """FSDP2 over all ranks, or HSDP: shard within a node, replicate across nodes."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world,))
+    world = dist.get_world_size()
+    if cfg.strategy == "hsdp":
+        mesh = init_device_mesh(
+            device.type, (world // local_world, local_world), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if bf16
@@ -150,7 +204,6 @@ def wrap(
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
 
 
 def export(model: torch.nn.Module, tokenizer: Any, output_dir: str) -> None:
