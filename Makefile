@@ -71,11 +71,15 @@ compile: $(STAMP) ## Recompile pipelines/*.yaml from pipelines/*.py
 	$(BIN)/kubellm compile
 
 .PHONY: bench
-bench: bench-prepare bench-train ## All benchmarks -> docs/benchmarks-*.md; ARGS (e.g. --check) go to each
+bench: bench-prepare bench-train bench-startup ## All benchmarks -> docs/benchmarks-*.md; ARGS (e.g. --check) go to each
 
 .PHONY: bench-prepare
 bench-prepare: $(STAMP) ## prepare_data vs the fastest tokenizer call and datasets.map, clean and messy corpora; memory 10x vs 1x
 	$(BIN)/python -m bench.prepare_bench --size-mb 20 --scale 10 --repeats 3 --out docs/benchmarks-prepare.md $(ARGS)
+
+.PHONY: bench-startup
+bench-startup: $(STAMP) ## FSDP2 start-up host memory of a ~1B model (2 CPU ranks) vs every rank from_pretrained
+	$(BIN)/python -m bench.startup_bench --out docs/benchmarks-startup.md $(ARGS)
 
 .PHONY: bench-train
 bench-train: $(STAMP) ## Training tokens/s: kubellm.train vs HF Trainer and a minimal DDP loop

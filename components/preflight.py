@@ -63,6 +63,7 @@ def preflight(
     queue: str,
     gang_scheduler: str,
     job_ttl_hours: int,
+    job_grace_seconds: int,
     fabric: str,
     rdma_resource: str,
     rdma_count: int,

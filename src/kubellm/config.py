@@ -302,6 +302,14 @@ class PipelineConfig(_Strict):
     job_ttl_hours: int = Field(
         24, ge=0, description="Finished jobs are deleted after this many hours; 0: at once."
     )
+    job_grace_seconds: int = Field(
+        300,
+        ge=30,
+        le=86400,
+        description="Training pods' terminationGracePeriodSeconds: time between SIGTERM "
+        "(pre-emption, eviction) and SIGKILL for the checkpoint save; size it for a "
+        "checkpoint write (about 16 bytes a parameter with AdamW / volume bandwidth).",
+    )
     fabric: Fabric = Field(
         "tcp",
         description="Network between training nodes: tcp (NCCL picks; nothing set), rdma-ib "

@@ -131,6 +131,7 @@ def test_resources_placement_and_lifecycle(fake_k8s: FakeK8s) -> None:
         tolerations=[toleration],
         priority_class="training-high",
         job_ttl_hours=2,
+        job_grace_seconds=900,
     )
     body = pytorchjob_manifest(train_job(timeout_s=7200.0), cluster)
     assert fake_k8s.validate("pytorchjobs", body) == []
@@ -142,6 +143,8 @@ def test_resources_placement_and_lifecycle(fake_k8s: FakeK8s) -> None:
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"] == [toleration]
     assert pod["priorityClassName"] == "training-high"
+    # the SIGTERM checkpoint gets its time before the kubelet's SIGKILL (default 30 s)
+    assert pod["terminationGracePeriodSeconds"] == 900
     (container,) = pod["containers"]
     assert container["resources"]["requests"] == {"cpu": "30", "memory": "200Gi"}
     assert container["resources"]["limits"] == {

@@ -34,8 +34,11 @@ KUBERNETES_VERSION = "1.30.0"
 NAMESPACE = "kubellm"
 PART_OF = ("app.kubernetes.io/part-of", "kubellm")
 
+# What `kubectl kustomize` renders on its own; components/ are parts of them (kind: Component).
 KUSTOMIZATIONS = sorted(
-    p.parent.relative_to(MANIFESTS).as_posix() for p in MANIFESTS.rglob("kustomization.yaml")
+    p.parent.relative_to(MANIFESTS).as_posix()
+    for p in MANIFESTS.rglob("kustomization.yaml")
+    if not p.parent.relative_to(MANIFESTS).as_posix().startswith("components/")
 )
 YAML_FILES = sorted(
     p.relative_to(MANIFESTS).as_posix()
@@ -465,7 +468,7 @@ class PvcCase:
 @pytest.mark.parametrize(
     "case",
     [
-        PvcCase("kubellm-workspace", "ReadWriteMany", "50Gi"),
+        PvcCase("kubellm-workspace", "ReadWriteMany", "500Gi"),
         PvcCase("mlflow-data", "ReadWriteOnce", "20Gi"),
     ],
     ids=lambda c: c.name,
@@ -474,6 +477,21 @@ def test_volumes(case: PvcCase) -> None:
     pvc = named(render("base"), "PersistentVolumeClaim", case.name)
     assert pvc["spec"]["accessModes"] == [case.access_mode]
     assert pvc["spec"]["resources"]["requests"]["storage"] == case.size
+
+
+@needs_kubectl
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_the_workspace_size_is_a_parameter_and_the_parameters_stay_local(
+    kustomization: str,
+) -> None:
+    """params.yaml's workspaceSize reaches the PVC (single-node merges its own 200Gi), and
+    the local-config ConfigMap that carries it is never part of what is applied."""
+    objects = render(kustomization)
+    params = yaml.safe_load((MANIFESTS / "base" / "params.yaml").read_text())["data"]
+    size = "200Gi" if kustomization == "overlays/single-node" else params["workspaceSize"]
+    pvc = named(objects, "PersistentVolumeClaim", "kubellm-workspace")
+    assert pvc["spec"]["resources"]["requests"]["storage"] == size
+    assert not [o for o in objects if o["metadata"]["name"] == "kubellm-params"]
 
 
 @needs_kubectl
@@ -601,10 +619,7 @@ def test_single_node_overlay() -> None:
     objects = render("overlays/single-node")
     workspace = named(objects, "PersistentVolumeClaim", "kubellm-workspace")
     assert workspace["spec"]["accessModes"] == ["ReadWriteOnce"]
-    assert (
-        workspace["spec"]["resources"]
-        == named(render("base"), "PersistentVolumeClaim", "kubellm-workspace")["spec"]["resources"]
-    )
+    assert workspace["spec"]["resources"] == {"requests": {"storage": "200Gi"}}  # its params
     # The enforce level is restated (same as the base), so only the PVC differs.
     changed = [ident(o) for o, b in zip(objects, render("base"), strict=True) if o != b]
     assert changed == [f"PersistentVolumeClaim/{NAMESPACE}/kubellm-workspace"]

@@ -63,9 +63,10 @@ def dataset(tiny_dataset: Path) -> Path:
     return tiny_dataset
 
 
-def _config(tmp: Path, name: str, dataset: Path) -> Path:
-    """The tiny config of test_checkpoint; only output_dir differs between runs."""
+def _config(tmp: Path, name: str, dataset: Path, **values: str) -> Path:
+    """The tiny config of test_checkpoint; only output_dir (and `values`) differ between runs."""
     cfg = TrainConfig(
+        **values,  # type: ignore[arg-type]
         dataset_dir=str(dataset),
         output_dir=str(tmp / f"{name}-model"),
         steps=8,
@@ -226,6 +227,37 @@ def test_two_agents_match_one_agent(
     ]
     _run_agents(agents)
     _check_two_agents(agents, tmp_path / "multi-model", reference)
+
+
+def test_hsdp_across_two_agents_trains_what_fsdp_does(dataset: Path, tmp_path: Path) -> None:
+    """HSDP: 2 agents ("nodes") x 2 workers, sharded within an agent, replicated across
+    them (a 2 x 2 mesh), against FSDP over the same 4 ranks in one agent. The reductions run
+    in a different order, so the weights agree to float32 rounding, not bit for bit."""
+    fsdp = _config(tmp_path, "fsdp", dataset, strategy="fsdp", precision="fp32")
+    one = Agent(
+        "fsdp",
+        _torchrun("--standalone", "--nproc_per_node=4", config=fsdp),
+        _env(),
+        tmp_path / "fsdp.log",
+    )
+    _run_agents([one])
+    hsdp = _config(tmp_path, "hsdp", dataset, strategy="hsdp", precision="fp32")
+    endpoint = f"127.0.0.1:{_free_port()}"
+    args = _agent_args(endpoint, f"kl-{secrets.token_hex(4)}", "--local-addr=127.0.0.1")
+    args = tuple(a.replace("--nproc_per_node=1", "--nproc_per_node=2") for a in args)
+    env = _env(GLOO_SOCKET_IFNAME="lo")
+    agents = [
+        Agent(f"agent-{n}", _torchrun(*args, config=hsdp), env, tmp_path / f"agent-{n}.log")
+        for n in ("a", "b")
+    ]
+    _run_agents(agents)
+    logs = "".join(a.output() for a in agents)
+    assert "train: hsdp mesh replicate=2 x shard=2" in logs, logs[-3000:]
+    assert re.search(r"world_size=4 device=cpu strategy=hsdp", logs), logs[-3000:]
+    ref, got = _load(tmp_path / "fsdp-model"), _load(tmp_path / "hsdp-model")
+    assert ref.keys() == got.keys()
+    far = [k for k in ref if not torch.allclose(ref[k], got[k], rtol=1e-4, atol=1e-6)]
+    assert not far, far
 
 
 @dataclass

@@ -194,6 +194,11 @@ def _fully_shard(
         mesh = init_device_mesh(
             device.type, (world // local_world, local_world), mesh_dim_names=("replicate", "shard")
         )
+        if dist.get_rank() == 0:
+            print(
+                f"train: hsdp mesh replicate={world // local_world} x shard={local_world}",
+                flush=True,
+            )
     else:
         mesh = init_device_mesh(device.type, (world,))
     mp = (

@@ -82,6 +82,7 @@ class ClusterSettings:
     queue: str = ""
     gang_scheduler: str = "kueue"
     ttl_seconds: int | None = None  # ttlSecondsAfterFinished
+    grace_seconds: int | None = None  # pods' terminationGracePeriodSeconds (the SIGTERM save)
     fabric: str = "tcp"
     rdma_resource: str = "rdma/rdma_shared_device_a"
     rdma_count: int = 1
@@ -102,6 +103,7 @@ class ClusterSettings:
             queue=cfg.queue,
             gang_scheduler=cfg.gang_scheduler,
             ttl_seconds=cfg.job_ttl_hours * 3600,
+            grace_seconds=cfg.job_grace_seconds,
             fabric=cfg.fabric,
             rdma_resource=cfg.rdma_resource,
             rdma_count=cfg.rdma_count,

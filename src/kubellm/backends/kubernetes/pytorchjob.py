@@ -188,6 +188,9 @@ def job_pod_template(job: TrainJob, cluster: ClusterSettings) -> k8s.V1PodTempla
             node_selector=cluster.node_selector or None,
             tolerations=[_toleration(t) for t in cluster.tolerations] or None,
             priority_class_name=cluster.priority_class or None,
+            # SIGTERM makes the trainer checkpoint before it exits (train/preempt.py): the
+            # kubelet's SIGKILL must wait for that write, not the default 30 s.
+            termination_grace_period_seconds=cluster.grace_seconds,
         ),
     )
 
