@@ -35,6 +35,7 @@ from bench.machine import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 1.5  # sum of the ranks' peak RSS / one fp32 copy, at most
+TARGET_RUN = "kubellm LoRA bf16"
 NPROC = 2
 _RSS = re.compile(r"(start-up|end): host peak RSS per rank \[([^\]]*)\] GiB")
 
@@ -127,8 +128,10 @@ def _rss(text: str) -> dict[str, list[float]]:
     return out
 
 
-def run_engine(work: Path, data: Path, model: Path, lora: bool, timeout: float) -> dict[str, Any]:
-    name = "kubellm-lora" if lora else "kubellm-full"
+def run_engine(
+    work: Path, data: Path, model: Path, lora: bool, precision: str, timeout: float
+) -> dict[str, Any]:
+    name = f"kubellm {'LoRA' if lora else 'full'} {precision}"
     cfg: dict[str, Any] = {
         "dataset_dir": str(data),
         "output_dir": str(work / f"{name}-out"),
@@ -141,17 +144,18 @@ def run_engine(work: Path, data: Path, model: Path, lora: bool, timeout: float) 
         "model_name_or_path": str(model),
         "strategy": "fsdp",
         "backend": "gloo",
-        "precision": "fp32",
+        "precision": precision,
         "learning_rate": 1e-4,
     }
     if lora:
         cfg["lora"] = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
-    path = work / f"{name}.json"
+    slug = name.replace(" ", "-")
+    path = work / f"{slug}.json"
     path.write_text(json.dumps(cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={NPROC}", "-m", "kubellm.train", "--config", str(path)]
     t = time.perf_counter()
-    text = _run(cmd, _env(), work / f"{name}.log", timeout)
+    text = _run(cmd, _env(), work / f"{slug}.log", timeout)
     rss = _rss(text)
     if "start-up" not in rss or "end" not in rss:
         raise SystemExit(f"{name}: no host peak RSS lines in its log\n{text[-2000:]}")
@@ -163,16 +167,17 @@ def run_engine(work: Path, data: Path, model: Path, lora: bool, timeout: float) 
     }
 
 
-def run_peer(work: Path, data: Path, model: Path, timeout: float) -> dict[str, Any]:
+def run_peer(work: Path, data: Path, model: Path, precision: str, timeout: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={NPROC}", "-m", "bench.peers.naive_startup", str(model), str(data)]
+    cmd += [f"--nproc_per_node={NPROC}", "-m", "bench.peers.naive_startup"]
+    cmd += [str(model), str(data), precision]
     t = time.perf_counter()
     text = _run(cmd, _env(), work / "naive.log", timeout)
     rss = _rss(text)
     if "start-up" not in rss or "end" not in rss:
         raise SystemExit(f"naive: no host peak RSS lines in its log\n{text[-2000:]}")
     return {
-        "name": "naive from_pretrained",
+        "name": f"naive from_pretrained LoRA {precision}",
         "startup": rss["start-up"],
         "end": rss["end"],
         "s": time.perf_counter() - t,
@@ -185,7 +190,7 @@ def report(runs: list[dict[str, Any]], params: int, args: argparse.Namespace) ->
     ok = True
     for r in runs:
         s_up, s_end = sum(r["startup"]), sum(r["end"])
-        target = r["name"] == "kubellm-lora"
+        target = r["name"] == TARGET_RUN
         verdict = ""
         if target:
             good = max(s_up, s_end) / copy < TARGET
@@ -203,9 +208,11 @@ def report(runs: list[dict[str, Any]], params: int, args: argparse.Namespace) ->
         f"A Llama of {params / 1e6:,.1f}M parameters (one float32 copy = {copy:.2f} GiB; "
         f"hidden {args.shape.hidden}, {args.shape.layers} layers, {args.shape.heads} heads, "
         f"MLP {args.shape.intermediate}, tied embeddings) saved with `save_pretrained`, started "
-        f"under FSDP2 on {NPROC} CPU ranks (torchrun, gloo, fp32) and trained one step "
-        "(batch 1 a rank, 64 tokens). Peak RSS per rank (getrusage), GiB, after start-up and "
-        f"at the end; target: kubellm with LoRA under {TARGET} x one copy in both.",
+        f"under FSDP2 on {NPROC} CPU ranks (torchrun, gloo) and trained one step (batch 1 a "
+        "rank, 64 tokens). Parameters are float32 in every run; bf16 is FSDP2's "
+        "MixedPrecisionPolicy (bf16 all-gathers and compute), what GPU runs use. Peak RSS per "
+        "rank (getrusage), GiB, after start-up and at the end (evaluation included); target: "
+        f"{TARGET_RUN} under {TARGET} x one float32 copy in both.",
         "",
         "| run | start-up per rank | sum | / copy | end per rank | sum | / copy | wall | target |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -213,12 +220,16 @@ def report(runs: list[dict[str, Any]], params: int, args: argparse.Namespace) ->
         "",
         "- kubellm: the skeleton on `meta`, `fully_shard` before storage, rank 0 reads the "
         "safetensors in 256 MiB chunks and broadcasts each (`set_model_state_dict`, "
-        "`broadcast_from_rank0`); each rank keeps its shard.",
-        "- kubellm-full: the same start-up; its end figure adds gradients and AdamW's two "
+        "`broadcast_from_rank0`); each rank keeps its shard. On CPU the trainer fixes glibc's "
+        "mmap threshold at 4 MiB (`return_freed_memory`): with glibc's default the step "
+        "kept ~2 GiB a rank of freed all-gather buffers.",
+        "- kubellm LoRA fp32: the same with fp32 all-gathers: FSDP2's per-layer working set "
+        "(the all-gather's input, output and unsharded copy) is twice bf16's.",
+        "- kubellm full: the same start-up; its end figure adds gradients and AdamW's two "
         "moments for every parameter (3 x the shard): full fine-tuning needs them, whatever "
         "the start-up.",
         "- naive: every rank `from_pretrained` (fp32, CPU), `fully_shard`, the same LoRA step "
-        "(`bench/peers/naive_startup.py`): how start-up worked before issue 10.",
+        "in bf16 (`bench/peers/naive_startup.py`): how start-up worked before issue 10.",
         "",
         f"Machine: {machine['cpu']} ({machine['nproc']} CPUs, {machine['memory']}), torch "
         f"{machine['torch']}, transformers {machine['transformers']}, "
@@ -245,9 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     model, params = save_model(work, data, args.shape)
     print(f"startup_bench: {params / 1e6:,.1f}M parameters in {model}", flush=True)
     runs = [
-        run_engine(work, data, model, lora=True, timeout=args.timeout),
-        run_engine(work, data, model, lora=False, timeout=args.timeout),
-        run_peer(work, data, model, args.timeout),
+        run_engine(work, data, model, True, "bf16", args.timeout),
+        run_engine(work, data, model, True, "fp32", args.timeout),
+        run_engine(work, data, model, False, "bf16", args.timeout),
+        run_peer(work, data, model, "bf16", args.timeout),
     ]
     text, ok = report(runs, params, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

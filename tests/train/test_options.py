@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainkit import TINY_MODEL, step_losses, tiny_config, write_config
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from trainkit import TINY_MODEL, save_llama, step_losses, tiny_config, write_config
+from transformers import AutoModelForCausalLM
 
 from kubellm.backends.base import TrainJob
 from kubellm.backends.local.torchrun import TorchrunTrainer
 from kubellm.config import ConfigError, TrainConfig
 from kubellm.data.prepare import PrepareParams, prepare
-from kubellm.data.tokenizer import load_tokenizer
 from kubellm.train.loop import check, load_config, train
 from kubellm.train.model import build_model
 
@@ -37,23 +36,8 @@ def unmasked_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hf_model(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 'pretrained' model directory (safetensors) with the dataset's vocabulary."""
-    tok = load_tokenizer(tiny_dataset / "tokenizer")
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        )
-    )
     out = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    model.save_pretrained(out)
-    return out
+    return save_llama(tiny_dataset, out, seed=1, tie=False)
 
 
 def test_gradient_accumulation_matches_one_big_batch(

@@ -16,37 +16,22 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from startup_worker import accumulation, sharded_start
+from trainkit import save_llama, tiny_config
+from transformers import LlamaForCausalLM
 
 from kubellm.config import ConfigError
-from kubellm.data.tokenizer import load_tokenizer
 from kubellm.train import startup
 from kubellm.train.loop import check
 from kubellm.train.model import build_model, place
-from tests.train.startup_worker import accumulation, sharded_start
-from tests.train.trainkit import tiny_config
 
 
 @pytest.fixture(scope="module")
 def tied_model(tiny_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 'pretrained' Llama with tied embeddings (as Llama-3.2-1B, Qwen2.5-0.5B), saved with
     save_pretrained in two safetensors shards (an index file, as large models are)."""
-    tok = load_tokenizer(tiny_dataset / "tokenizer")
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=True,
-        )
-    )
     out = tmp_path_factory.mktemp("pretrained") / "tied-llama"
-    model.save_pretrained(out, max_shard_size="40KB")
+    save_llama(tiny_dataset, out, seed=3, tie=True, layers=3, heads=4, max_shard_size="40KB")
     assert (out / startup.INDEX).is_file()
     return out
 
