@@ -27,7 +27,9 @@ TIMEOUT_S = 240
 class Launch:
     """`python -m kubellm.train.agent ...` as a child process whose output is watched."""
 
-    def __init__(self, config: Path, *torchrun_args: str) -> None:
+    def __init__(
+        self, config: Path, *torchrun_args: str, env: dict[str, str] | None = None
+    ) -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -40,7 +42,7 @@ class Launch:
             "--config",
             str(config),
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**(env or os.environ), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
@@ -168,3 +170,24 @@ def test_launcher_exit_codes() -> None:
     assert exit_code([-9], -9) == 1
     assert exit_code([3, -15], 3) == 3  # the fabric check: no RDMA
     assert exit_code([4], 4) == 4  # the fabric check: bus bandwidth too low
+
+
+def test_a_truncated_shard_fails_every_rank_with_one_line_and_exit_2(
+    tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """The shard is checked against the manifest's SHA-256 before the process group starts:
+    no pyarrow traceback, no crash (exit 1), but the not-retried exit 2 naming the shard."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_dataset, data)
+    shard = sorted((data / "train").glob("*.parquet"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    cfg = tiny_config(data, tmp_path / "m")
+    env = {**os.environ, "KUBELLM_SHARD_CACHE": str(tmp_path / "cache")}
+    proc = Launch(write_config(tmp_path / "c.json", cfg), env=env)
+    assert proc.finish() == 2, proc.logs[-3000:]
+    errors = [line for line in proc.logs.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2, proc.logs[-3000:]  # one line from each rank
+    assert all(f"train/{shard.name}: sha256" in e and "manifest" in e for e in errors), errors
+    assert "Traceback" not in proc.logs, proc.logs[-3000:]
