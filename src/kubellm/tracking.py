@@ -27,6 +27,42 @@ CHALLENGER = "challenger"
 CHAMPION = "champion"
 
 
+HEALTH_TIMEOUT_S = 5.0
+
+
+class TrackingUnavailable(RuntimeError):
+    """The MLflow tracking server does not answer; the message names its URI."""
+
+
+def check_reachable(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    """Fail in seconds, naming `uri`, when an HTTP tracking server does not answer.
+
+    MLflow's client retries a refused connection for minutes (7 retries, exponential
+    backoff: 246 s measured) before it gives up; a pipeline should say at once that its
+    tracking server is down. `GET /health` (the tracking server's own endpoint) with a short
+    timeout: any answer but a 5xx (a proxy whose backend is down) counts as up, an auth
+    error included (the calls that follow carry the credentials). Other URIs (sqlite, file,
+    databricks) are not checked here.
+    """
+    if not uri.startswith(("http://", "https://")):
+        return
+    import requests
+
+    url = uri.rstrip("/") + "/health"
+    try:
+        status = requests.get(url, timeout=(min(3.0, timeout_s), timeout_s)).status_code
+    except requests.RequestException as err:
+        reason = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(err) else ""
+        raise TrackingUnavailable(
+            f"MLflow tracking server {uri} is unreachable ({reason or type(err).__name__}); "
+            "check mlflow_tracking_uri (or the kubellm-config ConfigMap) and that the server runs"
+        ) from None
+    if status >= 500:
+        raise TrackingUnavailable(
+            f"MLflow tracking server {uri} answers {url} with HTTP {status}; check that it runs"
+        )
+
+
 @dataclass(frozen=True)
 class Tracker:
     """The MLflow store of one pipeline run."""

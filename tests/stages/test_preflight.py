@@ -53,3 +53,22 @@ def test_fabric_check_flags_follow_the_parameters(params: dict[str, Any], args: 
     from kubellm.stages.preflight import fabric_args
 
     assert fabric_args(pipeline_config(params)) == args
+
+
+def test_an_unreachable_tracking_server_fails_in_seconds_naming_it(tmp_path: Path) -> None:
+    """MLflow's client alone retries a refused connection for ~4 minutes; preflight checks
+    the server's /health with a short timeout first."""
+    import socket
+    import time
+
+    from kubellm.tracking import TrackingUnavailable
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    params = {**TINY, "runs_dir": str(tmp_path / "runs"), "mlflow_tracking_uri": uri}
+    began = time.monotonic()
+    with pytest.raises(TrackingUnavailable, match=rf"MLflow tracking server {uri} is unreachable"):
+        preflight.run(params, "no-server")
+    assert time.monotonic() - began < 15

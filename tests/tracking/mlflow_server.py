@@ -45,10 +45,11 @@ def _stop_group(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
 
 @contextmanager
 def running_mlflow_server(
-    root: Path, backend_db: Path, timeout_s: float = 120.0
+    root: Path, backend_db: Path, timeout_s: float = 120.0, port: int = 0
 ) -> Iterator[MlflowServer]:
-    """Start `mlflow server` on a free loopback port, wait for /health, stop it on exit."""
-    port = free_port()
+    """Start `mlflow server` on a loopback port (`port`, or a free one), wait for /health,
+    stop it on exit."""
+    port = port or free_port()
     cmd = [
         str(Path(sys.executable).with_name("mlflow")),
         "server",

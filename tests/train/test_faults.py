@@ -191,3 +191,47 @@ def test_a_truncated_shard_fails_every_rank_with_one_line_and_exit_2(
     assert len(errors) == 2, proc.logs[-3000:]  # one line from each rank
     assert all(f"train/{shard.name}: sha256" in e and "manifest" in e for e in errors), errors
     assert "Traceback" not in proc.logs, proc.logs[-3000:]
+
+
+def test_a_tracking_server_outage_mid_training_stalls_nothing_and_loses_nothing(
+    tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """A real `mlflow server` is stopped at step 200 and started again (same port, same
+    database) OUTAGE_S later: training goes on meanwhile, completes with exit 0, and every
+    loss point reaches MLflow (the sink buffered them: 0 dropped)."""
+    from mlflow.tracking import MlflowClient
+
+    from kubellm.backends.local.model_server import free_port
+    from tracking.mlflow_server import running_mlflow_server
+
+    outage_s = 6.0
+    db = tmp_path / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{db}").search_experiments()  # the schema
+    port = free_port()
+    with running_mlflow_server(tmp_path, db, port=port) as server:
+        client = MlflowClient(tracking_uri=server.url)
+        run_id = client.create_run(client.create_experiment("outage")).info.run_id
+        steps = 1500
+        cfg = tiny_config(
+            tiny_dataset,
+            tmp_path / "m",
+            steps=steps,
+            log_every=10,
+            save_model=False,
+            mlflow_tracking_uri=server.url,
+            mlflow_run_id=run_id,
+        )
+        run = Launch(write_config(tmp_path / "c.json", cfg))
+        run.wait_for(r"^step=200 ")
+    down_at = len(step_lines := [ln for ln in run.lines if ln.startswith("step=")])
+    time.sleep(outage_s)  # the server is down; training goes on
+    during = len([ln for ln in run.lines if ln.startswith("step=")]) - down_at
+    with running_mlflow_server(tmp_path, db, port=port):
+        assert run.finish() == 0, run.logs[-3000:]
+        assert during > 0, "no step finished while the tracking server was down"
+        sent = re.search(r"train: mlflow: (\d+) metric points sent, (\d+) dropped", run.logs)
+        assert sent and sent.group(2) == "0", run.logs[-3000:]
+        history = MlflowClient(tracking_uri=f"http://127.0.0.1:{port}").get_metric_history(
+            run_id, "loss"
+        )
+    assert sorted(m.step for m in history) == list(range(10, steps + 1, 10)), step_lines[:3]

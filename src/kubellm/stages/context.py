@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 from kubellm.backends import Backends, select
 from kubellm.backends.base import TrainJob, dns_name
 from kubellm.config import PipelineConfig, TrainConfig
-from kubellm.tracking import TAG_STAGE, Tracker
+from kubellm.tracking import TAG_STAGE, Tracker, check_reachable
 
 _R = TypeVar("_R", bound="StageResult")
 
@@ -59,7 +59,9 @@ class StageResult:
 
 
 def open_tracker(cfg: PipelineConfig, kfp_run_id: str) -> Tracker:
-    """The MLflow store of a pipeline run (fails here when the tracking server is down)."""
+    """The MLflow store of a pipeline run (fails here, in seconds, naming the URI, when the
+    tracking server is down)."""
+    check_reachable(cfg.mlflow_tracking_uri)
     tracking = select(cfg, kfp_run_id).tracking
     return Tracker.open(
         cfg.mlflow_tracking_uri, cfg.experiment_name, kfp_run_id, tracking.artifact_location

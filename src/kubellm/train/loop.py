@@ -43,6 +43,7 @@ from kubellm.data.tokenizer import load_tokenizer
 from kubellm.train import checkpoint, mfu, shards, startup
 from kubellm.train.loader import DistributedLoader
 from kubellm.train.metric_lines import format_metrics
+from kubellm.train.metrics_sink import MlflowSink
 from kubellm.train.model import build_model, export, hf_config, place, tie_weights
 from kubellm.train.preempt import EXIT_PREEMPTED, Preemption
 
@@ -143,28 +144,7 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-class _MlflowSink:
-    """Rank 0's metric sink; a no-op without a run."""
-
-    def __init__(self, uri: str, run_id: str) -> None:
-        self.client = None
-        self.run_id = run_id
-        if uri and run_id:
-            from mlflow.tracking import MlflowClient
-
-            self.client = MlflowClient(tracking_uri=uri)
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.client is None:
-            return
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch)
-
-
-def _emit(metrics: dict[str, float], sink: _MlflowSink | None, step: int) -> None:
+def _emit(metrics: dict[str, float], sink: MlflowSink | None, step: int) -> None:
     print(format_metrics(metrics), flush=True)
     if sink is not None:
         sink.log({k: v for k, v in metrics.items() if k != "step"}, step)
@@ -250,7 +230,7 @@ class _Run:
             if cfg.checkpoint_dir
             else None
         )
-        self.sink = _MlflowSink(cfg.mlflow_tracking_uri, cfg.mlflow_run_id) if rank == 0 else None
+        self.sink = MlflowSink(cfg.mlflow_tracking_uri, cfg.mlflow_run_id) if rank == 0 else None
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
@@ -359,6 +339,17 @@ class _Run:
             return self._run()
         finally:
             self.loader.close()  # the prefetch thread
+            self.close_sink()
+
+    def close_sink(self) -> None:
+        """Flush the buffered MLflow points (a deadline, never forever) and say what was
+        dropped; the count goes to MLflow too when the server takes it."""
+        if self.sink is None or self.sink.client is None:
+            return
+        self.sink.log({"mlflow_dropped_points": float(self.sink.dropped)}, self.cfg.steps)
+        report = self.sink.close()
+        why = f" (last error: {report.last_error})" if report.dropped and report.last_error else ""
+        self.log(f"mlflow: {report.sent} metric points sent, {report.dropped} dropped{why}")
 
     def _run(self) -> dict[str, float]:
         cfg, plan = self.cfg, self.plan
