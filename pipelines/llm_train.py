@@ -166,6 +166,7 @@ def llm_train(
         model_name=model_name,
         kfp_run_id=run_id,
     ).set_display_name("summary")
+    _no_cache(report)
     _cluster_wiring(report, workspace=False)
     with dsl.ExitHandler(report, name="run"):
         pre = preflight(
@@ -252,10 +253,14 @@ def llm_train(
         )
         with dsl.If(scored.outputs["Output"] == PROMOTE, name="gate"):
             version = _cluster_wiring(
-                register(**ctx, model=trained.outputs["model"]), workspace=False
+                _no_cache(register(**ctx, model=trained.outputs["model"])), workspace=False
             )
             served = _cluster_wiring(
-                deploy(**ctx, model=trained.outputs["model"], version=version.outputs["Output"])
+                _no_cache(
+                    deploy(
+                        **ctx, model=trained.outputs["model"], version=version.outputs["Output"]
+                    )
+                )
             )
             smoke = smoke_test(
                 **ctx,
@@ -263,7 +268,13 @@ def llm_train(
                 predictions=scored.outputs["predictions"],
                 version=version.outputs["Output"],
             )
-            _cluster_wiring(smoke, workspace=False)
+            _cluster_wiring(_no_cache(smoke), workspace=False)
+
+
+def _no_cache(task: dsl.PipelineTask) -> dsl.PipelineTask:
+    """Steps that change the world (the registry, the serving endpoint, the run's record)
+    run every time: a cached one would report a deployment that did not happen."""
+    return task.set_caching_options(False)
 
 
 def _docstring() -> str:

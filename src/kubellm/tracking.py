@@ -105,13 +105,26 @@ class Tracker:
         return str(run.info.run_id)
 
     def find_parent(self) -> str | None:
+        """The parent run of this KFP run (the newest, should there be several)."""
         runs = self.client.search_runs(
             [self.experiment_id],
             filter_string=f"tags.`{TAG_KFP_RUN}` = '{self.kfp_run_id}' "
             f"and tags.`{TAG_STAGE}` = 'pipeline'",
             max_results=1,
+            order_by=["attributes.start_time DESC"],
         )
         return str(runs[0].info.run_id) if runs else None
+
+    def kill_running_children(self, parent_run_id: str, why: str) -> list[str]:
+        """Stage runs still RUNNING (their step was killed: OOM, a deleted pod, a timeout)
+        marked KILLED with `why`; returns their stage names."""
+        killed = []
+        for run in self.children(parent_run_id):
+            if run.info.status == "RUNNING":
+                self.client.set_tag(run.info.run_id, "kubellm.error", why[:4000])
+                self.client.set_terminated(run.info.run_id, "KILLED")
+                killed.append(str(run.data.tags.get(TAG_STAGE, run.info.run_id)))
+        return killed
 
     def children(self, parent_run_id: str) -> list[Any]:
         return list(

@@ -76,6 +76,17 @@ def test_dag_shape(spec: dict[str, Any]) -> None:
     assert "deploy" in inside["smoke-test"]["dependentTasks"]
 
 
+def test_steps_that_change_the_world_never_come_from_the_cache(spec: dict[str, Any]) -> None:
+    """KFP reuses a cached task's outputs instead of running it: for register, deploy, the
+    smoke test and the summary that would report work that did not happen."""
+    tasks = {**spec["root"]["dag"]["tasks"]}
+    for comp in spec["components"].values():
+        tasks.update(comp.get("dag", {}).get("tasks", {}))
+    cached = {name for name, t in tasks.items() if t.get("cachingOptions", {}).get("enableCache")}
+    assert not cached & {"register", "deploy", "smoke-test", "summarize"}, cached
+    assert {"prepare-data", "train"} <= cached  # a retried run reuses what it finished
+
+
 @pytest.mark.parametrize(
     ("component", "output", "schema"),
     [

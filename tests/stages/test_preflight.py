@@ -72,3 +72,16 @@ def test_an_unreachable_tracking_server_fails_in_seconds_naming_it(tmp_path: Pat
     with pytest.raises(TrackingUnavailable, match=rf"MLflow tracking server {uri} is unreachable"):
         preflight.run(params, "no-server")
     assert time.monotonic() - began < 15
+
+
+def test_a_retried_preflight_reuses_the_parent_run(tmp_path: Path) -> None:
+    params = {**TINY, "runs_dir": str(tmp_path / "runs")}
+    first = preflight.run(params, "retried")
+    second = preflight.run(params, "retried")  # the KFP retry of the same run's step
+    assert second.parent_run_id == first.parent_run_id
+    cfg = PipelineConfig.model_validate_json(first.config)
+    parents = MlflowClient(cfg.mlflow_tracking_uri).search_runs(
+        [MlflowClient(cfg.mlflow_tracking_uri).get_run(first.parent_run_id).info.experiment_id],
+        filter_string="tags.`kubellm.stage` = 'pipeline'",
+    )
+    assert len(parents) == 1

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from kubellm import backends
 from kubellm.stages import summarize
 from kubellm.stages.context import StageContext
 from stages.conftest import RUN, Chain
@@ -26,3 +29,22 @@ def test_without_a_parent_run_it_says_so(chain: Chain) -> None:
     result = summarize.run(chain.params, "never-started", "FAILED", "preflight failed")
     assert result.report.startswith("# kubellm run never-started: FAILED")
     assert "No MLflow parent run was found" in result.report
+
+
+def test_stage_runs_left_running_by_a_killed_step_end_killed(tmp_path: Path) -> None:
+    from kubellm.config import pipeline_config
+    from kubellm.stages.context import open_tracker
+    from kubellm.tracking import TAG_KFP_RUN, TAG_PARENT, TAG_STAGE
+    from stages.conftest import TINY
+
+    params = {**TINY, "runs_dir": str(tmp_path / "runs")}
+    cfg = backends.resolve(pipeline_config(params))
+    tracker = open_tracker(cfg, "killed")
+    parent = tracker.start_parent("killed", {})
+    tags = {TAG_PARENT: parent, TAG_KFP_RUN: "killed", TAG_STAGE: "train"}
+    child = tracker.client.create_run(tracker.experiment_id, run_name="train", tags=tags)
+    summarize.run(params, "killed", "FAILED", "train: pod deleted")
+    run = tracker.client.get_run(child.info.run_id)
+    assert run.info.status == "KILLED"
+    assert "still RUNNING when the pipeline ended FAILED" in run.data.tags["kubellm.error"]
+    assert tracker.client.get_run(parent).info.status == "FAILED"

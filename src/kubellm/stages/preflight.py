@@ -44,7 +44,12 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
     stage logs under, and measure the fabric the training jobs will use."""
     cfg = backends.resolve(pipeline_config(params))
     tracker = open_tracker(cfg, kfp_run_id)
-    parent = tracker.start_parent(f"{cfg.model_name}-{kfp_run_id}", cfg.model_dump())
+    # A retried preflight (same KFP run) carries on under the parent it already made.
+    parent = tracker.find_parent()
+    if parent is not None:
+        print(f"preflight: reusing the MLflow parent run {parent} of this KFP run", flush=True)
+    else:
+        parent = tracker.start_parent(f"{cfg.model_name}-{kfp_run_id}", cfg.model_dump())
     ctx = StageContext(cfg, tracker, parent, kfp_run_id)
     with ctx.stage("preflight") as run_id:
         job = ctx.backends.trainer.run(fabric_job(ctx.plan))

@@ -100,6 +100,11 @@ def run(params: dict[str, Any], kfp_run_id: str, state: str, error: str = "") ->
     tracker = open_tracker(cfg, kfp_run_id)
     parent = tracker.find_parent()
     if parent is not None:
+        killed = tracker.kill_running_children(
+            parent, f"still RUNNING when the pipeline ended {state}: its step was killed"
+        )
+        if killed:
+            print(f"summary: marked KILLED in MLflow: {', '.join(killed)}", flush=True)
         tracker.log(parent, tags={"kubellm.state": state, "kubellm.error": error[:4000]})
         tracker.finish_parent(parent, state == "SUCCEEDED")
     text = build_summary(tracker, parent, state, chosen.tracking.ui_hint, cfg.model_name)
