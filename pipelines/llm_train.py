@@ -121,6 +121,10 @@ def llm_train(
     nproc_per_node: int = _D["nproc_per_node"],
     num_nodes: int = _D["num_nodes"],
     gate_min_accuracy: float = _D["gate_min_accuracy"],
+    gate_metric: str = _D["gate_metric"],
+    gate_margin: float = _D["gate_margin"],
+    gate_max_perplexity: float = _D["gate_max_perplexity"],
+    gate_guards: dict = _D["gate_guards"],
     model_name: str = _D["model_name"],
     experiment_name: str = _D["experiment_name"],
     mlflow_tracking_uri: str = _D["mlflow_tracking_uri"],
@@ -201,6 +205,10 @@ def llm_train(
             nproc_per_node=nproc_per_node,
             num_nodes=num_nodes,
             gate_min_accuracy=gate_min_accuracy,
+            gate_metric=gate_metric,
+            gate_margin=gate_margin,
+            gate_max_perplexity=gate_max_perplexity,
+            gate_guards=gate_guards,
             model_name=model_name,
             experiment_name=experiment_name,
             mlflow_tracking_uri=mlflow_tracking_uri,
@@ -257,9 +265,7 @@ def llm_train(
             )
             served = _cluster_wiring(
                 _no_cache(
-                    deploy(
-                        **ctx, model=trained.outputs["model"], version=version.outputs["Output"]
-                    )
+                    deploy(**ctx, model=trained.outputs["model"], version=version.outputs["Output"])
                 )
             )
             smoke = smoke_test(

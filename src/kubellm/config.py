@@ -35,6 +35,8 @@ TextMode = Literal["file", "line"]
 Fabric = Literal["tcp", "rdma-ib", "roce"]
 GangScheduler = Literal["kueue", "volcano"]
 TuneAlgorithm = Literal["random", "tpe", "bayesianoptimization", "grid"]
+GateMetric = Literal["auto", "exact_match", "eval_loss", "perplexity"]
+GATE_METRICS = ("exact_match", "eval_loss", "perplexity")
 
 Seed = Annotated[int, Field(ge=0)]
 Steps = Annotated[int, Field(ge=1)]
@@ -238,6 +240,29 @@ class PipelineConfig(_Strict):
     gate_min_accuracy: float = Field(
         0.2, ge=0, le=1, description="Held-out exact-match accuracy the model must reach to ship."
     )
+    gate_metric: GateMetric = Field(
+        "auto",
+        description="What the gate compares: exact_match (higher is better), eval_loss or "
+        "perplexity (lower is better); auto: exact_match when the data has prompt/answer "
+        "examples, else perplexity.",
+    )
+    gate_margin: float = Field(
+        0.0,
+        ge=0,
+        description="How much the candidate must beat the champion by on gate_metric (in its "
+        "units), both measured on the candidate's evaluation data.",
+    )
+    gate_max_perplexity: float = Field(
+        1000.0,
+        gt=1,
+        description="With no champion and a loss gate: the held-out perplexity the model must "
+        "stay under to ship.",
+    )
+    gate_guards: dict[str, float] = Field(
+        default_factory=dict,
+        description="Guard metrics and how much worse than the champion each may get, "
+        'relative: {"eval_loss": 0.05} (5 %). Keys: exact_match, eval_loss, perplexity.',
+    )
     model_name: str = Field(
         "kubellm-tiny",
         pattern=DNS_1035,
@@ -347,6 +372,19 @@ class PipelineConfig(_Strict):
         bad = sorted(k for k in value if not re.fullmatch(r"NCCL_[A-Z0-9_]+", k))
         if bad:
             raise ValueError(f"nccl_env keys must be NCCL_* variables, got {', '.join(bad)}")
+        return value
+
+    @field_validator("gate_guards")
+    @classmethod
+    def _known_guards(cls, value: dict[str, float]) -> dict[str, float]:
+        bad = sorted(k for k in value if k not in GATE_METRICS)
+        if bad:
+            raise ValueError(
+                f"gate_guards keys must be among {', '.join(GATE_METRICS)}, got {', '.join(bad)}"
+            )
+        negative = sorted(k for k, v in value.items() if v < 0)
+        if negative:
+            raise ValueError(f"gate_guards bounds must be >= 0, got {', '.join(negative)}")
         return value
 
     @model_validator(mode="after")

@@ -8,18 +8,22 @@ from typing import Any
 
 import torch
 
-from kubellm.data.artifact import load_eval_examples, load_split
+from kubellm.data.artifact import IGNORE_INDEX, load_eval_examples, load_split
 from kubellm.serve.generate import complete, load_model
 
 
 @torch.no_grad()
 def heldout_loss(model: Any, dataset_dir: str | Path, batch_size: int = 64) -> float:
+    """Mean loss per predicted token over the whole val split (every target token counts
+    once, however the rows are batched; masked prompt tokens and padding count not at all)."""
     val = load_split(str(dataset_dir), "val")
     total, count = 0.0, 0
     for start in range(0, val.shape[1], batch_size):
         x, y = val[:, start : start + batch_size].long()
-        total += float(model(input_ids=x, labels=y).loss) * len(x)
-        count += len(x)
+        targets = int((y[:, 1:] != IGNORE_INDEX).sum())  # causal LMs predict token t+1
+        if targets:
+            total += float(model(input_ids=x, labels=y).loss) * targets
+            count += targets
     return total / max(count, 1)
 
 

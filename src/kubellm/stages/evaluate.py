@@ -1,18 +1,21 @@
-"""The evaluate stage: held-out metrics, the champion's for comparison, and the gate."""
+"""The evaluate stage: the candidate's held-out metrics, the champion's on the same data (the
+same code, the champion's weights from the registry), and the gate (kubellm.evaluate.gate)."""
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlflow.exceptions import MlflowException
 
+from kubellm.evaluate.gate import PROMOTE, REJECT, Champion, decide
 from kubellm.evaluate.metrics import evaluate
 from kubellm.stages.context import StageContext, StageResult, markdown_table, write_json
 from kubellm.tracking import CHAMPION
 
-PROMOTE = "promote"
-REJECT = "reject"
+__all__ = ["PROMOTE", "REJECT", "Result", "run"]
 
 
 @dataclass
@@ -21,49 +24,87 @@ class Result(StageResult):
     reason: str = ""
 
 
-def champion_metric(ctx: StageContext, name: str) -> float | None:
-    """The current champion's value of `name` (from its version tags), if there is one."""
+def _same_tokenizer(model_dir: Path, dataset_dir: Path) -> bool:
+    """Loss on the dataset's token ids means something only for a model of its tokenizer."""
+    from kubellm.data.artifact import tokenizer_dir
+    from kubellm.data.tokenizer import load_tokenizer
+
     try:
-        mv = ctx.tracker.client.get_model_version_by_alias(ctx.cfg.model_name, CHAMPION)
+        theirs = load_tokenizer(model_dir).get_vocab()
+    except (OSError, ValueError):
+        return False
+    return bool(theirs == load_tokenizer(tokenizer_dir(dataset_dir)).get_vocab())
+
+
+def champion_on(ctx: StageContext, dataset_dir: Path) -> tuple[Champion | None, str]:
+    """The current champion measured on this run's evaluation data; (None, why) without one."""
+    client = ctx.tracker.client
+    try:
+        mv = client.get_model_version_by_alias(ctx.cfg.model_name, CHAMPION)
     except MlflowException:
-        return None
-    value = (mv.tags or {}).get(name)
-    return float(value) if value is not None else None
+        return None, "no champion yet"
+    import mlflow.artifacts
+
+    with tempfile.TemporaryDirectory(prefix="champion-") as tmp:
+        local = Path(
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=mv.source, dst_path=tmp, tracking_uri=ctx.cfg.mlflow_tracking_uri
+            )
+        )
+        scored: dict[str, Any] = evaluate(local, dataset_dir)
+        metrics = dict(scored["metrics"])
+        if not _same_tokenizer(local, dataset_dir):
+            # its loss on another tokenizer's ids is meaningless; exact match is text
+            metrics.pop("eval_loss", None)
+            metrics.pop("perplexity", None)
+    return Champion(str(mv.version), metrics), f"champion v{mv.version}"
 
 
 def run(
     ctx: StageContext, model_dir: str | Path, dataset_dir: str | Path, predictions_path: str
 ) -> Result:
     """Metrics and the gate decision; writes predictions for the smoke test."""
+    cfg = ctx.cfg
     with ctx.stage("evaluate") as run_id:
         scored = evaluate(model_dir, dataset_dir)
         metrics: dict[str, float] = dict(scored["metrics"])
-        accuracy = metrics.get("exact_match", 0.0)
-        champion = champion_metric(ctx, "exact_match")
-        if champion is not None:
-            metrics["champion_exact_match"] = champion
-        threshold = ctx.cfg.gate_min_accuracy
-        decision = PROMOTE if accuracy >= threshold else REJECT
-        reason = (
-            f"exact_match {accuracy:.3f} {'>=' if decision == PROMOTE else '<'} "
-            f"gate_min_accuracy {threshold:.3f}"
+        champion, about = champion_on(ctx, Path(dataset_dir))
+        gate = decide(
+            metrics,
+            champion,
+            asked=cfg.gate_metric,
+            min_accuracy=cfg.gate_min_accuracy,
+            max_perplexity=cfg.gate_max_perplexity,
+            margin=cfg.gate_margin,
+            guards=cfg.gate_guards,
         )
+        logged = dict(metrics)
+        if champion is not None:
+            logged.update({f"champion_{k}": v for k, v in champion.metrics.items()})
         write_json(predictions_path, scored["predictions"])
         ctx.tracker.log(
             run_id,
-            metrics=metrics,
-            tags={"kubellm.gate": decision, "kubellm.gate_reason": reason},
+            metrics=logged,
+            tags={
+                "kubellm.gate": gate.decision,
+                "kubellm.gate_reason": gate.reason,
+                "kubellm.gate_metric": gate.metric,
+                "kubellm.champion": about,
+            },
         )
+    headline_value = metrics.get(gate.metric)
+    shown = f"{gate.metric} {headline_value:.3f}" if headline_value is not None else gate.metric
     return ctx.finish(
         "evaluate",
         Result(
-            metrics=metrics,
+            metrics=logged,
             report=markdown_table(
-                "Evaluation", list(metrics.items()), f"Gate: **{decision}** ({reason})"
+                "Evaluation",
+                list(logged.items()),
+                f"Gate: **{gate.decision}** against {about} ({gate.reason})",
             ),
-            headline=f"eval_loss {metrics['eval_loss']:.4g}, exact_match {accuracy:.3f}; "
-            f"gate {decision}",
-            decision=decision,
-            reason=reason,
+            headline=f"eval_loss {metrics['eval_loss']:.4g}, {shown}; gate {gate.decision}",
+            decision=gate.decision,
+            reason=gate.reason,
         ),
     )

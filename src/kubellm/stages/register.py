@@ -33,6 +33,9 @@ def lineage_tags(ctx: StageContext) -> dict[str, str]:
         tags["kubellm.best_trial"] = runs["tune"].data.tags.get("kubellm.best_trial", "")
     if "evaluate" in runs:
         tags["kubellm.evaluation_run"] = runs["evaluate"].info.run_id
+        for key in ("kubellm.gate", "kubellm.gate_reason", "kubellm.gate_metric"):
+            if key in runs["evaluate"].data.tags:
+                tags[key] = runs["evaluate"].data.tags[key]
         for key in ("exact_match", "eval_loss", "perplexity"):
             if key in runs["evaluate"].data.metrics:
                 tags[key] = f"{runs['evaluate'].data.metrics[key]:.6g}"

@@ -1,0 +1,76 @@
+"""kubellm.evaluate.gate: the decision table, one check per reason."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kubellm.evaluate.gate import PROMOTE, REJECT, Champion, decide
+
+ARITH = {"exact_match": 0.8, "eval_loss": 0.30, "perplexity": math.exp(0.30)}
+TEXT = {"eval_loss": 2.0, "perplexity": math.exp(2.0)}  # plain text: no exact match
+
+
+def test_without_a_champion_the_absolute_bar_decides() -> None:
+    ok = decide(ARITH, None, min_accuracy=0.2)
+    assert (ok.decision, ok.metric, ok.reason) == (
+        PROMOTE,
+        "exact_match",
+        "exact_match 0.800 >= gate_min_accuracy 0.200",
+    )
+    low = decide(ARITH, None, min_accuracy=0.9)
+    assert (low.decision, low.reason) == (REJECT, "exact_match 0.800 < gate_min_accuracy 0.900")
+
+
+def test_plain_text_gates_on_perplexity_and_a_missing_exact_match_is_not_zero() -> None:
+    auto = decide(TEXT, None, max_perplexity=100.0)
+    assert (auto.decision, auto.metric) == (PROMOTE, "perplexity")
+    assert auto.reason == "perplexity 7.389 <= gate_max_perplexity 100"
+    assert decide(TEXT, None, max_perplexity=5.0).decision == REJECT
+    asked = decide(TEXT, None, asked="exact_match")
+    assert asked.decision == REJECT
+    assert "no prompt/answer examples (plain text)" in asked.reason  # not "0.000 < ..."
+    diverged = decide({"eval_loss": math.nan}, None, asked="eval_loss", max_perplexity=1e9)
+    assert diverged.decision == REJECT
+
+
+@pytest.mark.parametrize(
+    ("metric", "candidate", "champion", "margin", "decision"),
+    [
+        ("exact_match", 0.80, 0.75, 0.0, PROMOTE),
+        ("exact_match", 0.80, 0.75, 0.1, REJECT),  # better, but not by the margin
+        ("exact_match", 0.70, 0.75, 0.0, REJECT),  # a worse model never replaces a better one
+        ("eval_loss", 0.30, 0.35, 0.04, PROMOTE),  # lower is better
+        ("eval_loss", 0.40, 0.35, 0.0, REJECT),
+        ("perplexity", 1.30, 1.30, 0.0, PROMOTE),  # a tie passes a zero margin
+    ],
+)
+def test_the_champion_must_be_beaten_by_the_margin(
+    metric: str, candidate: float, champion: float, margin: float, decision: str
+) -> None:
+    mine = {**ARITH, metric: candidate}
+    theirs = Champion("3", {**ARITH, metric: champion})
+    result = decide(mine, theirs, asked=metric, margin=margin, max_perplexity=1e9)
+    assert result.decision == decision, result.reason
+    assert f"vs champion v3 {champion:.4g} on this data" in result.reason
+
+
+def test_guards_bound_how_much_worse_the_other_metrics_may_get() -> None:
+    theirs = Champion("1", {**ARITH, "eval_loss": 0.30})
+    within = decide({**ARITH, "eval_loss": 0.31}, theirs, guards={"eval_loss": 0.05})
+    assert within.decision == PROMOTE, within.reason
+    assert "guard eval_loss 0.31 vs champion 0.3: +3.3% <= 5.0% worse" in within.reason
+    beyond = decide({**ARITH, "eval_loss": 0.33}, theirs, guards={"eval_loss": 0.05})
+    assert beyond.decision == REJECT
+    assert "+10.0% > 5.0% worse" in beyond.reason
+    better = decide({**ARITH, "eval_loss": 0.20}, theirs, guards={"eval_loss": 0.0})
+    assert better.decision == PROMOTE, better.reason  # improving a guard is always fine
+
+
+def test_a_champion_that_cannot_be_measured_on_this_metric_leaves_the_absolute_bar() -> None:
+    # e.g. a champion of another tokenizer: its loss on these token ids means nothing
+    theirs = Champion("2", {"exact_match": 0.9})
+    result = decide(TEXT, theirs, max_perplexity=100.0)
+    assert result.decision == PROMOTE
+    assert "champion v2 has no perplexity on this data" in result.reason
