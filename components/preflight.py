@@ -41,6 +41,7 @@ def preflight(
     nproc_per_node: int,
     num_nodes: int,
     gate_min_accuracy: float,
+    force: bool,
     gate_metric: str,
     gate_margin: float,
     gate_max_perplexity: float,

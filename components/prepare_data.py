@@ -14,11 +14,13 @@ def prepare_data(
     dataset: Output[Dataset],
     stats: Output[Metrics],
     report: Output[Markdown],
-):
+) -> str:
     from kubellm.stages import prepare_data
     from kubellm.stages.context import StageContext
 
     ctx = StageContext.load(config, parent_run_id, kfp_run_id)
     result = prepare_data.run(ctx, dataset.path)
     dataset.metadata["source_fingerprint"] = result.fingerprint
+    dataset.metadata["data_fingerprint"] = result.data_fingerprint
     result.write_outputs(metrics=stats, report=report)
+    return result.data_state  # "changed" trains; "unchanged": the run stops here

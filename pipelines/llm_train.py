@@ -38,6 +38,7 @@ from kubellm.backends.kubernetes.client import (
 from kubellm.backends.kubernetes.podspec import MLFLOW_SECRET, MLFLOW_SECRET_ENV
 from kubellm.config import PipelineConfig
 from kubellm.stages.evaluate import PROMOTE
+from kubellm.stages.prepare_data import CHANGED as DATA_CHANGED
 
 PIPELINE_NAME = "kubellm-llm-train"
 SERVICE_ACCOUNT_NOTE = (
@@ -121,6 +122,7 @@ def llm_train(
     nproc_per_node: int = _D["nproc_per_node"],
     num_nodes: int = _D["num_nodes"],
     gate_min_accuracy: float = _D["gate_min_accuracy"],
+    force: bool = _D["force"],
     gate_metric: str = _D["gate_metric"],
     gate_margin: float = _D["gate_margin"],
     gate_max_perplexity: float = _D["gate_max_perplexity"],
@@ -205,6 +207,7 @@ def llm_train(
             nproc_per_node=nproc_per_node,
             num_nodes=num_nodes,
             gate_min_accuracy=gate_min_accuracy,
+            force=force,
             gate_metric=gate_metric,
             gate_margin=gate_margin,
             gate_max_perplexity=gate_max_perplexity,
@@ -251,30 +254,34 @@ def llm_train(
             "kfp_run_id": run_id,
         }
         data = _cluster_wiring(prepare_data(**ctx), workspace=False)
-        tuned = _cluster_wiring(tune(**ctx, dataset=data.outputs["dataset"]))
-        trained = _cluster_wiring(
-            train(**ctx, dataset=data.outputs["dataset"], hparams=tuned.outputs["Output"])
-        )
-        scored = _cluster_wiring(
-            evaluate(**ctx, model=trained.outputs["model"], dataset=data.outputs["dataset"]),
-            workspace=False,
-        )
-        with dsl.If(scored.outputs["Output"] == PROMOTE, name="gate"):
-            version = _cluster_wiring(
-                _no_cache(register(**ctx, model=trained.outputs["model"])), workspace=False
+        # Nothing new since the champion (same data fingerprint, force=false): stop here.
+        with dsl.If(data.outputs["Output"] == DATA_CHANGED, name="data-changed"):
+            tuned = _cluster_wiring(tune(**ctx, dataset=data.outputs["dataset"]))
+            trained = _cluster_wiring(
+                train(**ctx, dataset=data.outputs["dataset"], hparams=tuned.outputs["Output"])
             )
-            served = _cluster_wiring(
-                _no_cache(
-                    deploy(**ctx, model=trained.outputs["model"], version=version.outputs["Output"])
+            scored = _cluster_wiring(
+                evaluate(**ctx, model=trained.outputs["model"], dataset=data.outputs["dataset"]),
+                workspace=False,
+            )
+            with dsl.If(scored.outputs["Output"] == PROMOTE, name="gate"):
+                version = _cluster_wiring(
+                    _no_cache(register(**ctx, model=trained.outputs["model"])), workspace=False
                 )
-            )
-            smoke = smoke_test(
-                **ctx,
-                endpoint=served.outputs["Output"],
-                predictions=scored.outputs["predictions"],
-                version=version.outputs["Output"],
-            )
-            _cluster_wiring(_no_cache(smoke), workspace=False)
+                served = _cluster_wiring(
+                    _no_cache(
+                        deploy(
+                            **ctx, model=trained.outputs["model"], version=version.outputs["Output"]
+                        )
+                    )
+                )
+                smoke = smoke_test(
+                    **ctx,
+                    endpoint=served.outputs["Output"],
+                    predictions=scored.outputs["predictions"],
+                    version=version.outputs["Output"],
+                )
+                _cluster_wiring(_no_cache(smoke), workspace=False)
 
 
 def _no_cache(task: dsl.PipelineTask) -> dsl.PipelineTask:

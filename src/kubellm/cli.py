@@ -10,6 +10,7 @@ kubellm prepare runs/dataset             # one stage by hand
 kubellm train --dataset runs/dataset --output runs/model --nproc 2
 kubellm evaluate runs/model runs/dataset
 kubellm serve runs/model --name kubellm-tiny --port 8080
+kubellm lineage kubellm-tiny@champion [--json]   # data -> tuning -> training -> gate -> deployment
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kubellm.config import (
     validate,
 )
 from kubellm.data.records import DataError
+from kubellm.tracking import TrackingUnavailable
 
 DEFAULT_PIPELINE = "pipelines/llm_train.yaml"
 
@@ -113,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="evaluate a model directory on a dataset")
     ev.add_argument("model_dir")
     ev.add_argument("dataset_dir")
+
+    lin = sub.add_parser(
+        "lineage",
+        help="where a registered model came from: data, tuning, training, gate, deployment",
+    )
+    lin.add_argument("model", help="NAME (its champion), NAME@ALIAS or NAME@VERSION")
+    lin.add_argument(
+        "--tracking-uri",
+        default=os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///runs/mlflow.db"),
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the local runs/mlflow.db)",
+    )
+    lin.add_argument("--json", action="store_true", help="the chain as JSON")
 
     sv = sub.add_parser("serve", help="serve a model directory with the KServe ModelServer")
     sv.add_argument("model_dir")
@@ -210,12 +224,19 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args.dataset, args.output, args.nproc, args.overrides)
         if args.command == "evaluate":
             return _evaluate(args.model_dir, args.dataset_dir)
+        if args.command == "lineage":
+            from kubellm.lineage import show
+            from kubellm.tracking import check_reachable
+
+            check_reachable(args.tracking_uri)
+            print(show(args.tracking_uri, args.model, args.json), end="")
+            return 0
         if args.command == "serve":
             from kubellm.serve.server import serve
 
             serve(args.model_dir, args.name, args.host, args.port, args.trust_remote_code)
             return 0
-    except (ConfigError, DataError) as err:
+    except (ConfigError, DataError, TrackingUnavailable) as err:
         print(f"kubellm: error: {err}", file=sys.stderr)
         return 2
     except JobFailed as err:  # the job's own output is in its log file

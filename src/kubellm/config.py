@@ -240,6 +240,11 @@ class PipelineConfig(_Strict):
     gate_min_accuracy: float = Field(
         0.2, ge=0, le=1, description="Held-out exact-match accuracy the model must reach to ship."
     )
+    force: bool = Field(
+        False,
+        description="Train even when the data is unchanged since the champion's (same data "
+        "fingerprint); false: such a run stops after prepare_data.",
+    )
     gate_metric: GateMetric = Field(
         "auto",
         description="What the gate compares: exact_match (higher is better), eval_loss or "

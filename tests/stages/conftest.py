@@ -76,3 +76,13 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
 def ctx(chain: Chain) -> StageContext:
     assert chain.ctx is not None
     return chain.ctx
+
+
+def side_context(ctx: StageContext, run: str, **update: Any) -> StageContext:
+    """A context for a stage rerun under its own pipeline run `run` (its own parent), so
+    that it leaves the chain's stage runs and parent alone; `update` changes the config."""
+    from kubellm.tracking import Tracker
+
+    tracker = Tracker(ctx.tracker.client, ctx.tracker.experiment_id, run)
+    parent = tracker.start_parent(run, {})
+    return StageContext(ctx.cfg.model_copy(update=update), tracker, parent, run)

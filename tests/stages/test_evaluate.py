@@ -6,7 +6,7 @@ import json
 
 from kubellm.stages import evaluate
 from kubellm.stages.context import StageContext
-from stages.conftest import RUN, Chain
+from stages.conftest import RUN, Chain, side_context
 
 
 def test_promotes_at_the_threshold_and_writes_predictions(chain: Chain) -> None:
@@ -48,12 +48,12 @@ def test_the_champion_is_measured_on_the_candidates_data_and_must_be_beaten(
     version = chain.results["register"].version
     client.set_registered_model_alias(name, CHAMPION, version)
     try:
-        results = {}
+        results, sides = {}, {}
         for margin in (0.05, 0.0):
-            cfg = ctx.cfg.model_copy(update={"gate_margin": margin})
+            sides[margin] = side_context(ctx, f"champion-{margin}", gate_margin=margin)
             out = chain.root / f"champion-{margin}.json"
             results[margin] = evaluate.run(
-                StageContext(cfg, ctx.tracker, ctx.parent_run_id, RUN),
+                sides[margin],
                 chain.artifact("model"),
                 chain.artifact("dataset"),
                 str(out),
@@ -67,7 +67,7 @@ def test_the_champion_is_measured_on_the_candidates_data_and_must_be_beaten(
     assert f"vs champion v{version}" in strict.reason
     assert "improvement +0 < gate_margin 0.05" in strict.reason
     assert tie.decision == evaluate.PROMOTE, tie.reason
-    tags = ctx.stage_runs()["evaluate"].data.tags
+    tags = sides[0.0].stage_runs()["evaluate"].data.tags
     assert tags["kubellm.champion"] == f"champion v{version}"
 
 
@@ -109,10 +109,11 @@ def test_a_plain_text_corpus_goes_through_the_gate_on_perplexity(
         PrepareParams(source=str(src), tokenizer=str(chain.artifact("model")), seq_len=16), data
     )
     out = chain.root / "plain-predictions.json"
-    result = evaluate.run(ctx, chain.artifact("model"), data, str(out))
+    side = side_context(ctx, "plain-text")
+    result = evaluate.run(side, chain.artifact("model"), data, str(out))
     assert "exact_match" not in result.metrics
     assert result.decision == evaluate.PROMOTE, result.reason
     assert (
         result.reason.startswith("perplexity ") and "<= gate_max_perplexity 1000" in result.reason
     )
-    assert ctx.stage_runs()["evaluate"].data.tags["kubellm.gate_metric"] == "perplexity"
+    assert side.stage_runs()["evaluate"].data.tags["kubellm.gate_metric"] == "perplexity"

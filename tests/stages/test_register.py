@@ -13,7 +13,8 @@ def test_version_with_lineage(chain: Chain, ctx: StageContext) -> None:
     mv = client.get_model_version_by_alias("tiny-stage", "challenger")
     assert str(mv.version) == result.version
     runs = ctx.stage_runs()
-    assert mv.tags["kubellm.data_fingerprint"] == chain.results["prepare_data"].fingerprint
+    assert mv.tags["kubellm.data_fingerprint"] == chain.results["prepare_data"].data_fingerprint
+    assert mv.tags["kubellm.gate"] == "promote" and mv.tags["kubellm.gate_reason"]
     assert mv.tags["kubellm.training_run"] == runs["train"].info.run_id
     assert mv.tags["kubellm.best_trial"] == chain.results["tune"].best_trial
     assert mv.tags["kubellm.kfp_run_id"] == RUN

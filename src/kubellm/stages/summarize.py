@@ -12,6 +12,7 @@ from typing import Any
 from kubellm import backends
 from kubellm.config import pipeline_config
 from kubellm.stages.context import StageResult, fmt, open_tracker
+from kubellm.stages.prepare_data import TAG_UNCHANGED
 from kubellm.tracking import TAG_FINGERPRINT, TAG_STAGE, Tracker
 
 
@@ -77,6 +78,11 @@ def build_summary(
         ("served answers = evaluated (share)", fmt(metric("smoke_test", "agreement"))),
         ("served exact match (smoke prompts)", fmt(metric("smoke_test", "served_exact_match"))),
     ]
+    unchanged = tag("prepare_data", TAG_UNCHANGED)
+    if unchanged != "-":
+        rows.insert(3, ("data", unchanged))
+        if "training skipped" in unchanged:
+            lines += [unchanged[0].upper() + unchanged[1:] + ".", ""]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     failed = [
         f"- {stage}: {run.data.tags.get('kubellm.error', '')}"
