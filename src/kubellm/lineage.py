@@ -125,7 +125,7 @@ def _v(value: Any) -> str:
     if value is None or value == "":
         return "-"
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return str(int(value)) if value.is_integer() else f"{value:.4g}"
     return str(value)
 
 
