@@ -67,8 +67,14 @@ def test_dag_shape(spec: dict[str, Any]) -> None:
     root = spec["root"]["dag"]["tasks"]
     assert root["summarize"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     body = _tasks(spec, "comp-exit-handler-1")
-    assert {"preflight", "prepare-data", "tune", "train", "evaluate"} <= set(body)
-    gate = next(t for t in body.values() if t.get("taskInfo", {}).get("name") == "gate")
+    assert {"preflight", "prepare-data"} <= set(body)
+    # nothing new since the champion: the run stops after prepare_data
+    changed = next(t for t in body.values() if t.get("taskInfo", {}).get("name") == "data-changed")
+    assert "== 'changed'" in changed["triggerPolicy"]["condition"]
+    assert "prepare-data" in changed["dependentTasks"]
+    trained = _tasks(spec, changed["componentRef"]["name"])
+    assert {"tune", "train", "evaluate"} <= set(trained)
+    gate = next(t for t in trained.values() if t.get("taskInfo", {}).get("name") == "gate")
     assert "== 'promote'" in gate["triggerPolicy"]["condition"]
     inside = _tasks(spec, gate["componentRef"]["name"])
     assert set(inside) == {"register", "deploy", "smoke-test"}
