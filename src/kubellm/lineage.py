@@ -15,7 +15,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from kubellm.config import ConfigError
-from kubellm.tracking import CHAMPION, TAG_FINGERPRINT, TAG_KFP_RUN, TAG_PARENT, TAG_STAGE
+from kubellm.tracking import CHAMPION, TAG_FINGERPRINT, TAG_KFP_RUN, TAG_STAGE, Tracker
 
 
 def resolve(client: MlflowClient, ref: str) -> Any:
@@ -35,15 +35,12 @@ def _stage_runs(client: MlflowClient, parent: str) -> dict[str, Any]:
     if not parent:
         return {}
     try:
-        experiment = client.get_run(parent).info.experiment_id
+        run = client.get_run(parent)
     except MlflowException:
         return {}
-    runs = client.search_runs(
-        [experiment],
-        filter_string=f"tags.`{TAG_PARENT}` = '{parent}'",
-        order_by=["attributes.start_time ASC"],
-    )
-    return {str(r.data.tags.get(TAG_STAGE, "")): r for r in runs}  # the latest of each stage
+    tracker = Tracker(client, run.info.experiment_id, run.data.tags.get(TAG_KFP_RUN, ""))
+    # oldest first, so each stage maps to its latest run
+    return {str(r.data.tags.get(TAG_STAGE, "")): r for r in tracker.children(parent)}
 
 
 def lineage(client: MlflowClient, ref: str) -> dict[str, Any]:

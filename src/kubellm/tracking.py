@@ -126,6 +126,13 @@ class Tracker:
                 killed.append(str(run.data.tags.get(TAG_STAGE, run.info.run_id)))
         return killed
 
+    def champion(self, model_name: str) -> Any | None:
+        """The registered model's `champion` version, or None (no model, no alias)."""
+        try:
+            return self.client.get_model_version_by_alias(model_name, CHAMPION)
+        except MlflowException:
+            return None
+
     def children(self, parent_run_id: str) -> list[Any]:
         return list(
             self.client.search_runs(

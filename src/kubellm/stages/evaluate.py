@@ -8,12 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlflow.exceptions import MlflowException
-
 from kubellm.evaluate.gate import PROMOTE, REJECT, Champion, decide
 from kubellm.evaluate.metrics import evaluate
 from kubellm.stages.context import StageContext, StageResult, markdown_table, write_json
-from kubellm.tracking import CHAMPION
 
 __all__ = ["PROMOTE", "REJECT", "Result", "run"]
 
@@ -38,10 +35,8 @@ def _same_tokenizer(model_dir: Path, dataset_dir: Path) -> bool:
 
 def champion_on(ctx: StageContext, dataset_dir: Path) -> tuple[Champion | None, str]:
     """The current champion measured on this run's evaluation data; (None, why) without one."""
-    client = ctx.tracker.client
-    try:
-        mv = client.get_model_version_by_alias(ctx.cfg.model_name, CHAMPION)
-    except MlflowException:
+    mv = ctx.tracker.champion(ctx.cfg.model_name)
+    if mv is None:
         return None, "no champion yet"
     import mlflow.artifacts
 

@@ -10,13 +10,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlflow.exceptions import MlflowException
-
 from kubellm.data.artifact import tokenizer_dir
 from kubellm.data.prepare import PrepareParams, prepare
 from kubellm.stages.configs import prepare_params
 from kubellm.stages.context import StageContext, StageResult, markdown_table
-from kubellm.tracking import CHAMPION, TAG_FINGERPRINT
+from kubellm.tracking import TAG_FINGERPRINT
 
 CHANGED = "changed"
 UNCHANGED = "unchanged"
@@ -53,9 +51,8 @@ def data_fingerprint(params: PrepareParams, manifest: dict[str, Any], out_dir: P
 
 def unchanged_since(ctx: StageContext, fingerprint: str) -> str:
     """'champion vN' when the champion was trained on data with this fingerprint, else ''."""
-    try:
-        mv = ctx.tracker.client.get_model_version_by_alias(ctx.cfg.model_name, CHAMPION)
-    except MlflowException:
+    mv = ctx.tracker.champion(ctx.cfg.model_name)
+    if mv is None:
         return ""
     same = (mv.tags or {}).get(TAG_FINGERPRINT) == fingerprint
     return f"champion v{mv.version}" if same else ""
