@@ -1,7 +1,8 @@
-"""evaluate: held-out loss, perplexity and exact match; the gate decision."""
+"""evaluate: held-out loss, perplexity and exact match; the gate decision; the HTML report
+(loss curve, candidate vs champion, sample generations) that KFP's UI renders."""
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
+from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 from kubellm import RUNTIME_IMAGE
 
@@ -16,6 +17,7 @@ def evaluate(
     metrics: Output[Metrics],
     predictions: Output[Dataset],
     report: Output[Markdown],
+    html_report: Output[HTML],
 ) -> str:
     """Returns the gate decision ("promote" or "reject"), the DAG's one condition input.
 
@@ -26,6 +28,6 @@ def evaluate(
     from kubellm.stages.context import StageContext
 
     ctx = StageContext.load(config, parent_run_id, kfp_run_id)
-    result = evaluate.run(ctx, model.path, dataset.path, predictions.path)
+    result = evaluate.run(ctx, model.path, dataset.path, predictions.path, html_report.path)
     result.write_outputs(metrics=metrics, report=report)
     return result.decision

@@ -81,7 +81,9 @@ def preflight(
     tune_early_stopping: bool,
     kfp_run_id: str,
     report: Output[Markdown],
-) -> NamedTuple("Outputs", [("config", str), ("parent_run_id", str)]):  # type: ignore[valid-type]
+) -> NamedTuple(  # type: ignore[valid-type]
+    "Outputs", [("config", str), ("parent_run_id", str), ("data_spec", str)]
+):
     params = dict(locals())  # first statement: exactly the parameters
     for name in ("kfp_run_id", "report"):
         params.pop(name)
@@ -91,4 +93,5 @@ def preflight(
 
     result = preflight.run(params, kfp_run_id)
     result.write_outputs(report=report)
-    return namedtuple("Outputs", ["config", "parent_run_id"])(result.config, result.parent_run_id)
+    outputs = namedtuple("Outputs", ["config", "parent_run_id", "data_spec"])
+    return outputs(result.config, result.parent_run_id, result.data_spec)

@@ -1,5 +1,6 @@
-"""The kubellm DAG: preflight → prepare_data → tune → train → evaluate → [gate] → register →
-deploy → smoke_test, inside an exit handler that stops run-scoped servers and writes a summary.
+"""The kubellm DAG: preflight → prepare_data → record_data → tune → train → evaluate → [gate] →
+register → deploy → smoke_test, inside an exit handler that stops run-scoped servers and
+writes a summary.
 
 Compile (the committed llm_train.yaml must match; a test checks it):
 
@@ -21,6 +22,7 @@ from components.deploy import deploy
 from components.evaluate import evaluate
 from components.preflight import preflight
 from components.prepare_data import prepare_data
+from components.record_data import record_data
 from components.register import register
 from components.smoke_test import smoke_test
 from components.summarize import summarize
@@ -38,7 +40,7 @@ from kubellm.backends.kubernetes.client import (
 from kubellm.backends.kubernetes.podspec import MLFLOW_SECRET, MLFLOW_SECRET_ENV
 from kubellm.config import PipelineConfig
 from kubellm.stages.evaluate import PROMOTE
-from kubellm.stages.prepare_data import CHANGED as DATA_CHANGED
+from kubellm.stages.record_data import CHANGED as DATA_CHANGED
 
 PIPELINE_NAME = "kubellm-llm-train"
 SERVICE_ACCOUNT_NOTE = (
@@ -253,9 +255,13 @@ def llm_train(
             "parent_run_id": pre.outputs["parent_run_id"],
             "kfp_run_id": run_id,
         }
-        data = _cluster_wiring(prepare_data(**ctx), workspace=False)
+        # Cached by its data_spec alone: a run on the same data reuses the dataset.
+        data = _cluster_wiring(prepare_data(data_spec=pre.outputs["data_spec"]), workspace=False)
+        recorded = _cluster_wiring(
+            _no_cache(record_data(**ctx, dataset=data.outputs["dataset"])), workspace=False
+        )
         # Nothing new since the champion (same data fingerprint, force=false): stop here.
-        with dsl.If(data.outputs["Output"] == DATA_CHANGED, name="data-changed"):
+        with dsl.If(recorded.output == DATA_CHANGED, name="data-changed"):
             tuned = _cluster_wiring(tune(**ctx, dataset=data.outputs["dataset"]))
             trained = _cluster_wiring(
                 train(**ctx, dataset=data.outputs["dataset"], hparams=tuned.outputs["Output"])

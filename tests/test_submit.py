@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import copy
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +18,9 @@ import pytest
 import requests
 import yaml
 
-from fakes.fake_kfp import API, FakeKfp
+from fakes.fake_kfp import API, FakeKfp, isolate_kfp_client
 from kubellm.cli import main
+from kubellm.kfp_client import resolve_token, run_link, ui_base
 
 PIPELINE = Path(__file__).parents[1] / "pipelines" / "llm_train.yaml"
 
@@ -22,18 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:This client only works:FutureWar
 
 @pytest.fixture(autouse=True)
 def _isolated_kfp_client(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No endpoint, experiment or namespace from this machine's environment or ~/.config/kfp."""
-    for var in (
-        "KFP_ENDPOINT",
-        "KF_PIPELINES_ENDPOINT",
-        "KF_PIPELINES_UI_ENDPOINT",
-        "KF_PIPELINES_DEFAULT_EXPERIMENT_NAME",
-        "KF_PIPELINES_OVERRIDE_EXPERIMENT_NAME",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(
-        "kfp.client.client.Client._LOCAL_KFP_CONTEXT", str(tmp_path / "kfp" / "context.json")
-    )
+    isolate_kfp_client(monkeypatch, tmp_path)
 
 
 @pytest.fixture
@@ -278,3 +274,182 @@ def test_submit_of_a_pipeline_lacking_a_parameter_is_rejected(
         assert fake.runs == {}
         assert len(fake.created_runs()) == 1
         assert [e for e in fake.errors if "train_steps: not an input parameter" in e]
+
+
+# -- auth ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["--token-file", "KFP_TOKEN", "KF_PIPELINES_SA_TOKEN_PATH"])
+def test_submit_sends_the_bearer_token(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")  # as a projected token or `kubectl create token` leaves it
+    extra: list[str] = []
+    if how == "--token-file":
+        extra = ["--token-file", str(token)]
+    elif how == "KFP_TOKEN":
+        monkeypatch.setenv("KFP_TOKEN", "s3cret")
+    else:
+        monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(token))
+    with FakeKfp(token="s3cret") as fake:
+        assert _submit("--endpoint", fake.url, *extra) == 0
+        assert fake.errors == []
+        assert len(fake.runs) == 1
+
+
+def test_submit_without_the_token_is_a_quick_one_line_401(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with FakeKfp(token="s3cret") as fake:
+        started = time.monotonic()
+        rc = _submit("--endpoint", fake.url)
+        elapsed = time.monotonic() - started
+        _, err = capsys.readouterr()
+        assert rc == 2
+        assert elapsed < 5  # kfp's own health check retries 5 times, 5 s apart
+        assert err.startswith(f"kubellm: error: KFP at {fake.url} refused connecting (401): ")
+        assert "--token-file" in err
+        assert err.count("\n") == 1, err
+        assert fake.runs == {}
+
+
+def test_an_unreadable_token_file_is_an_error_before_anything_is_sent(
+    fake: FakeKfp, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty").write_text("\n")
+    for path in (tmp_path / "missing", tmp_path / "empty"):
+        assert _submit("--endpoint", fake.url, "--token-file", str(path)) == 2
+        _, err = capsys.readouterr()
+        assert str(path) in err and "--token-file" in err
+        assert err.count("\n") == 1
+    assert fake.requests == []
+
+
+def test_token_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flag, sa = tmp_path / "flag", tmp_path / "sa"
+    flag.write_text("from-flag")
+    sa.write_text("from-sa")
+    env = {"KFP_TOKEN": "from-env", "KF_PIPELINES_SA_TOKEN_PATH": str(sa)}
+    cases = [
+        (str(flag), env, None, str(flag)),  # the flag wins
+        (None, env, "from-env", None),  # then $KFP_TOKEN
+        (None, {"KF_PIPELINES_SA_TOKEN_PATH": str(sa)}, None, str(sa)),  # then kfp's variable
+    ]
+    for flag_arg, environ, value, path in cases:
+        token = resolve_token(flag_arg, environ)
+        assert token is not None
+        assert (token.value, token.path) == (value, path)
+    assert resolve_token(None, {}) is None
+    # in a pod, kfp's projected token file is used when nothing else is given
+    monkeypatch.setattr("kubellm.kfp_client.SA_TOKEN_PATH", str(sa))
+    token = resolve_token(None, {})
+    assert token is not None and token.path == str(sa)
+
+
+# -- the UI link --------------------------------------------------------------------------
+
+
+@dataclass
+class LinkCase:
+    endpoint: str
+    ui: str | None  # --ui-url
+    want: str | None  # the UI base; None: no link can be known
+
+
+LINK_CASES = [
+    LinkCase("http://localhost:8888", None, None),  # port-forward of svc/ml-pipeline: the API
+    LinkCase("http://ml-pipeline.kubeflow:8888", None, None),
+    LinkCase("http://ml-pipeline.kubeflow.svc.cluster.local:8888/", None, None),
+    LinkCase("http://localhost:8888", "http://localhost:8080", "http://localhost:8080"),
+    LinkCase(
+        "https://kubeflow.example.com/pipeline", None, "https://kubeflow.example.com/_/pipeline"
+    ),
+    LinkCase(
+        "https://kubeflow.example.com/pipeline/", None, "https://kubeflow.example.com/_/pipeline"
+    ),
+    LinkCase("http://localhost:8080", None, "http://localhost:8080"),  # svc/ml-pipeline-ui
+    LinkCase("https://kfp.example.com/", "kfp-ui.example.com/", "http://kfp-ui.example.com"),
+]
+
+
+@pytest.mark.parametrize("case", LINK_CASES, ids=[f"{c.endpoint} {c.ui}" for c in LINK_CASES])
+def test_ui_base(case: LinkCase) -> None:
+    assert ui_base(case.endpoint, case.ui) == case.want
+    line = run_link(case.endpoint, case.ui, "RUN")
+    if case.want is None:
+        assert line.startswith("no UI link: ") and "--ui-url" in line
+    else:
+        assert line == f"{case.want}/#/runs/details/RUN"
+
+
+def test_ui_endpoint_from_kfp_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KF_PIPELINES_UI_ENDPOINT", "https://ui.example.com/")
+    assert run_link("http://localhost:8888", None, "R") == "https://ui.example.com/#/runs/details/R"
+    assert run_link("http://localhost:8888", "http://flag", "R") == "http://flag/#/runs/details/R"
+
+
+def test_submit_to_the_api_server_says_there_is_no_ui_link(
+    fake: FakeKfp, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fake stands in for ml-pipeline:8888 (its port counts as the API's)."""
+    port = int(fake.url.rsplit(":", 1)[1])
+    monkeypatch.setattr("kubellm.kfp_client.API_PORTS", {port})
+    assert _submit("--endpoint", fake.url) == 0
+    out, _ = capsys.readouterr()
+    (run_id,) = fake.runs
+    assert (
+        out.splitlines()[0]
+        == f"submitted run {run_id} ({fake.created_runs()[0]['display_name']}) to {fake.url}"
+    )
+    assert out.splitlines()[1].startswith(f"no UI link: {fake.url} is the KFP API server")
+    assert "#/runs/details" not in out  # not even kfp's own "Run details:" line
+    assert _submit("--endpoint", fake.url, "--ui-url", "http://localhost:8080") == 0
+    out, _ = capsys.readouterr()
+    run_id = next(r for r in fake.runs if r != run_id)
+    assert out.splitlines()[-1] == f"http://localhost:8080/#/runs/details/{run_id}"
+
+
+# -- the README's kfp CLI line ------------------------------------------------------------
+
+
+def _readme_kfp_line() -> str:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    lines = [ln.strip() for ln in readme.splitlines() if ln.strip().startswith("kfp --endpoint ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("verb", ["create", "submit"])
+def test_readme_kfp_cli_line_creates_a_typed_run(fake: FakeKfp, tmp_path: Path, verb: str) -> None:
+    """The line as written, with the fake's URL for the endpoint, through the real kfp CLI;
+    and with `run submit`, the deprecated alias the README says also works."""
+    argv = shlex.split(_readme_kfp_line())
+    assert argv[argv.index("run") + 1] == "create"
+    argv[argv.index("run") + 1] = verb
+    endpoint = argv[argv.index("--endpoint") + 1]
+    argv[argv.index("--endpoint") + 1] = fake.url
+    kfp_cli = Path(sys.executable).parent / "kfp"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KF_PIPELINES", "KFP_"))}
+    env["HOME"] = str(tmp_path)  # no ~/.config/kfp context from this machine
+    proc = subprocess.run(
+        [str(kfp_cli), *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert fake.errors == []
+    assert re.match(r"https?://", endpoint)
+    (run,) = fake.created_runs()
+    pairs = [a for a in argv if "=" in a and not a.startswith("-")]
+    assert pairs, "the README line sets a parameter"
+    params = run["runtime_config"]["parameters"]
+    assert set(params) == {p.split("=", 1)[0] for p in pairs}
+    assert type(params["train_steps"]) is int  # typed, not the string "5000"
+    (experiment,) = fake.experiments.values()
+    assert experiment["display_name"] == argv[argv.index("-e") + 1]
+    assert run["experiment_id"] == experiment["experiment_id"]
+    assert run["display_name"]

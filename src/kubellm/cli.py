@@ -3,14 +3,17 @@
 kubellm run --local                      # the whole pipeline on this machine (CPU)
 kubellm run --local --set train_steps=200 --set tune_trials=0
 kubellm compile                          # pipelines/*.py -> pipelines/*.yaml
-kubellm submit pipelines/llm_train.yaml --endpoint http://localhost:8080 \
-    --service-account kubellm-pipeline --namespace team-a
+kubellm submit pipelines/llm_train.yaml --endpoint http://localhost:8888 \
+    --namespace team-a --token-file ~/.kfp-token --ui-url http://localhost:8080
+kubellm schedule pipelines/llm_train.yaml --cron '0 2 * * *' --endpoint http://localhost:8888
+kubellm schedule --list --endpoint http://localhost:8888     # --pause, --resume, --delete
 kubellm render --set gpus_per_node=8 --set fabric=rdma-ib   # the objects a run creates
 kubellm prepare runs/dataset             # one stage by hand
 kubellm train --dataset runs/dataset --output runs/model --nproc 2
 kubellm evaluate runs/model runs/dataset
 kubellm serve runs/model --name kubellm-tiny --port 8080
 kubellm lineage kubellm-tiny@champion [--json]   # data -> tuning -> training -> gate -> deployment
+kubellm promote kubellm-tiny@3 --local           # champion alias -> v3, served from the registry
 """
 
 from __future__ import annotations
@@ -76,21 +79,47 @@ def build_parser() -> argparse.ArgumentParser:
         "submit",
         help="create a run on a Kubeflow Pipelines endpoint",
         description="Create a run from a compiled pipeline with the kfp client. The endpoint "
-        "comes from --endpoint or $KFP_ENDPOINT; credentials from the kfp client's usual "
-        "environment (never from pipeline parameters).",
+        "comes from --endpoint or $KFP_ENDPOINT; the bearer token from --token-file, $KFP_TOKEN "
+        "or kfp's in-cluster token file (never from pipeline parameters).",
     )
+    from kubellm.kfp_client import add_kfp_args
+
     submit.add_argument("pipeline", help="compiled pipeline YAML")
-    submit.add_argument("--endpoint", default=os.environ.get("KFP_ENDPOINT"), help="KFP API URL")
-    submit.add_argument("--experiment", default="kubellm", help="KFP experiment name")
     submit.add_argument("--run-name", default=None, help="run name (default: timestamped)")
-    submit.add_argument("--namespace", default=None, help="Kubeflow profile namespace")
-    submit.add_argument(
-        "--service-account",
-        default="kubellm-pipeline",
-        help="ServiceAccount the steps run as (its Role lets them create jobs; "
-        "manifests/base/rbac.yaml); empty: the profile's default",
-    )
+    add_kfp_args(submit)
     _add_set(submit, "pipeline parameter")
+
+    sched = sub.add_parser(
+        "schedule",
+        help="create, update, pause, resume, delete or list a KFP recurring run",
+        description="Recurring retraining: one KFP recurring run per --experiment and --name, "
+        "created or replaced in place (never duplicated), running the YAML uploaded as a "
+        "pipeline version named by its content hash. --cron takes the usual 5 fields "
+        "(minute hour day-of-month month day-of-week; sent to KFP with a leading seconds "
+        "field 0), 6 fields with seconds first as KFP's robfig/cron reads them, or @daily etc.",
+    )
+    sched.add_argument(
+        "pipeline", nargs="?", default=DEFAULT_PIPELINE, help="compiled pipeline YAML"
+    )
+    sched.add_argument("--cron", default=None, help="schedule, e.g. '0 2 * * *' (02:00 daily)")
+    sched.add_argument(
+        "--name", default=None, help="recurring run name (default: the pipeline's name)"
+    )
+    sched.add_argument(
+        "--max-concurrency", type=int, default=1, help="runs at once (1-10; default 1)"
+    )
+    sched.add_argument(
+        "--catchup",
+        action="store_true",
+        help="backfill every interval missed while paused (default: only the latest)",
+    )
+    act = sched.add_mutually_exclusive_group()
+    act.add_argument("--pause", action="store_true", help="disable the recurring run")
+    act.add_argument("--resume", action="store_true", help="enable it again")
+    act.add_argument("--delete", action="store_true", help="delete it")
+    act.add_argument("--list", action="store_true", help="list the experiment's recurring runs")
+    add_kfp_args(sched)
+    _add_set(sched, "pipeline parameter")
 
     rend = sub.add_parser(
         "render",
@@ -127,6 +156,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the local runs/mlflow.db)",
     )
     lin.add_argument("--json", action="store_true", help="the chain as JSON")
+
+    pro = sub.add_parser(
+        "promote",
+        help="make a registered version the champion and serve it (a rollback)",
+        description="Serve NAME@VERSION from the MLflow registry on the configured platform "
+        "(the deploy stage's code path), then move the `champion` alias to it; prints the "
+        "endpoint. A version the gate rejected needs --force.",
+    )
+    pro.add_argument("model", help="NAME@VERSION (or NAME@ALIAS)")
+    pro.add_argument(
+        "--tracking-uri",
+        default=os.environ.get("MLFLOW_TRACKING_URI"),
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the platform's default: "
+        "runs/mlflow.db locally)",
+    )
+    pro.add_argument("--force", action="store_true", help="promote a version the gate rejected")
+    pro.add_argument("--local", action="store_true", help="serve on this machine (platform=local)")
+    _add_set(pro, "pipeline parameter (platform, namespace, serving_image, runs_dir, ...)")
 
     sv = sub.add_parser("serve", help="serve a model directory with the KServe ModelServer")
     sv.add_argument("model_dir")
@@ -212,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
             from kubellm.submit import submit
 
             return submit(args)
+        if args.command == "schedule":
+            from kubellm.schedule import schedule
+
+            return schedule(args)
         if args.command == "render":
             from kubellm.render import RUN_ID, render
 
@@ -231,6 +282,13 @@ def main(argv: list[str] | None = None) -> int:
             check_reachable(args.tracking_uri)
             print(show(args.tracking_uri, args.model, args.json), end="")
             return 0
+        if args.command == "promote":
+            from kubellm.promote import promote_cli
+
+            overrides = parse_overrides(args.overrides, PipelineConfig)
+            if args.local:
+                overrides["platform"] = "local"
+            return promote_cli(args.model, args.tracking_uri, overrides, args.force)
         if args.command == "serve":
             from kubellm.serve.server import serve
 

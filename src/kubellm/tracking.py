@@ -7,6 +7,7 @@ is tagged with the KFP run id so the exit handler can find them all again.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,8 @@ CHAMPION = "champion"
 
 
 HEALTH_TIMEOUT_S = 5.0
+# How MLflow marks what a dataset input was used for (mlflow.log_input's `context`).
+TAG_DATA_CONTEXT = "mlflow.data.context"
 
 
 class TrackingUnavailable(RuntimeError):
@@ -61,6 +64,56 @@ def check_reachable(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
         raise TrackingUnavailable(
             f"MLflow tracking server {uri} answers {url} with HTTP {status}; check that it runs"
         )
+
+
+def dataset_input(model_name: str, manifest: dict[str, Any]) -> Any:
+    """The prepared dataset as an MLflow dataset (mlflow.data): named after the model, its
+    digest the data fingerprint's first 10 hex digits (MLflow's recommended length; the
+    full one is a tag of the input), its source the data the user gave, its profile the
+    split sizes. The prepare run and the training run log the same one, so MLflow links
+    them by (name, digest)."""
+    from mlflow.data.meta_dataset import MetaDataset
+
+    source = str(manifest["params"]["source"])
+
+    class _Prepared(MetaDataset):
+        @property
+        def profile(self) -> dict[str, Any]:
+            rec, tokens = manifest["records"], manifest["tokens"]
+            return {
+                "records": {k: rec[k] for k in ("read", "kept", "train", "val")},
+                "dropped": rec["dropped"],
+                "tokens": {"train": tokens["train"], "val": tokens["val"]},
+                "seq_len": manifest["seq_len"],
+                "rows": manifest["rows"],
+            }
+
+        def to_dict(self) -> dict[str, str]:
+            return {**super().to_dict(), "profile": json.dumps(self.profile)}
+
+    return _Prepared(
+        _source_of(source), name=f"{model_name}-data", digest=manifest["data_fingerprint"][:10]
+    )
+
+
+def _source_of(source: str) -> Any:
+    """MLflow's own source type for one URI or existing path (s3://, gs://, http(s), a local
+    file or folder), else a generic one that keeps the string (synthetic data, a glob,
+    several comma-separated parts)."""
+    import warnings
+    from pathlib import Path
+
+    from mlflow.data.code_dataset_source import CodeDatasetSource
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+
+    if "," not in source and ("://" in source or Path(source).exists()):
+        try:
+            with warnings.catch_warnings():  # "can be interpreted in multiple ways": all local
+                warnings.simplefilter("ignore", UserWarning)
+                return resolve_dataset_source(source)
+        except MlflowException:
+            pass
+    return CodeDatasetSource({"kubellm.data_source": source})
 
 
 @dataclass(frozen=True)
@@ -174,6 +227,20 @@ class Tracker:
             params=[Param(k, str(v)[:6000]) for k, v in (params or {}).items()],
             tags=[RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()],
         )
+
+    def log_dataset(
+        self, run_id: str, model_name: str, manifest: dict[str, Any], context: str
+    ) -> None:
+        """The prepared dataset (`dataset_input`) as an input of the run, used for
+        `context`; the full data fingerprint rides along as a tag of the input."""
+        from mlflow.entities import DatasetInput, InputTag
+
+        tags = [
+            InputTag(TAG_DATA_CONTEXT, context),
+            InputTag(TAG_FINGERPRINT, str(manifest["data_fingerprint"])),
+        ]
+        entity = dataset_input(model_name, manifest)._to_mlflow_entity()
+        self.client.log_inputs(run_id, [DatasetInput(entity, tags)])
 
     def finish_parent(self, parent_run_id: str, succeeded: bool) -> None:
         self.client.set_terminated(parent_run_id, "FINISHED" if succeeded else "FAILED")

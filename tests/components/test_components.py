@@ -6,6 +6,7 @@ outputs. Small model and data, platform=local, MLflow on sqlite in a temp dir.
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import os
@@ -26,6 +27,7 @@ from components.deploy import deploy
 from components.evaluate import evaluate
 from components.preflight import preflight
 from components.prepare_data import prepare_data
+from components.record_data import record_data
 from components.register import register
 from components.smoke_test import smoke_test
 from components.summarize import summarize
@@ -137,8 +139,13 @@ def mlflow(params: dict[str, Any]) -> MlflowClient:
 
 
 @pytest.fixture(scope="module")
-def data(ctx: dict[str, str]) -> Any:
-    return run(prepare_data, **ctx)
+def data(pre: Any) -> Any:
+    return run(prepare_data, data_spec=pre.outputs["data_spec"])
+
+
+@pytest.fixture(scope="module")
+def recorded(ctx: dict[str, str], data: Any) -> Any:
+    return run(record_data, {"dataset": (data.outputs["dataset"], Dataset)}, **ctx)
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +214,22 @@ def test_prepare_data_writes_the_dataset_contract(data: Any) -> None:
     assert (root / "train" / "shard-00000.parquet").is_file()
     assert data.outputs["dataset"].metadata["source_fingerprint"] == manifest["source_fingerprint"]
     assert data.outputs["stats"].metadata["records_read"] == 2000
+    assert data.outputs["dataset"].metadata["data_fingerprint"] == manifest["data_fingerprint"]
+
+
+def test_record_data_logs_the_dataset_and_says_changed(
+    recorded: Any, data: Any, mlflow: MlflowClient, ctx: dict[str, str]
+) -> None:
+    assert recorded.output == "changed"  # no champion yet
+    [run] = mlflow.search_runs(
+        [mlflow.get_run(ctx["parent_run_id"]).info.experiment_id],
+        filter_string="tags.`kubellm.stage` = 'prepare_data'",
+    )
+    fingerprint = data.outputs["dataset"].metadata["data_fingerprint"]
+    assert run.data.tags["kubellm.data_fingerprint"] == fingerprint
+    assert run.data.tags["mlflow.parentRunId"] == ctx["parent_run_id"]
+    [given] = mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+    assert given.dataset.digest == fingerprint[:10]
 
 
 def test_tune_returns_the_best_trial_params(tuned: Any, mlflow: MlflowClient, ctx: dict) -> None:
@@ -240,6 +263,10 @@ def test_evaluate_scores_and_decides(scored: Any, params: dict[str, Any]) -> Non
     assert "reject" in report and reason in report, report
     predictions = json.loads(Path(scored.outputs["predictions"].path).read_text())
     assert predictions and {"prompt", "completion", "prediction"} <= set(predictions[0])
+    # the HTML report KFP's UI shows: the decision with its reason and the loss curve
+    page = Path(scored.outputs["html_report"].path).read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "<polyline" in page
+    assert "REJECT" in page and html.escape(reason) in page
 
 
 def test_register_creates_a_challenger_with_lineage(version: Any, mlflow: MlflowClient) -> None:

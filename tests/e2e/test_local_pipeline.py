@@ -5,6 +5,7 @@ Small model and data so the suite stays quick; the full-size run is `make run`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -16,9 +17,12 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from tracking.mlflow_server import running_mlflow_server
+
 from .conftest import HALF_LEARNABLE_STEPS, REJECT_ABOVE, REPO, SMALL, STAGES
 
 pytestmark = pytest.mark.slow
+FINGERPRINT = "kubellm.data_fingerprint"
 
 
 def _copy_yaml(tmp: Path, name: str) -> Path:
@@ -54,14 +58,66 @@ def _children(client: MlflowClient, parent: Any) -> dict[str, Any]:
 
 
 def test_full_pipeline_serves_and_records_lineage(tmp_path: Path, half_learnable: Path) -> None:
-    proc = _run(
-        tmp_path,
-        _copy_yaml(tmp_path, "e2e-copy"),
-        data_source=half_learnable,
-        train_steps=HALF_LEARNABLE_STEPS,
-    )  # the default gate, 0.2
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    out = proc.stdout
+    """The whole DAG against a real `mlflow server` on loopback (HTTP client, proxied
+    artifacts, the trainer's background sink), as on a cluster; then `kubellm lineage`
+    reads the chain back from that server."""
+    (tmp_path / "mlflow").mkdir()
+    with running_mlflow_server(tmp_path / "mlflow", tmp_path / "mlflow.db") as server:
+        proc = _run(
+            tmp_path,
+            _copy_yaml(tmp_path, "e2e-copy"),
+            data_source=half_learnable,
+            train_steps=HALF_LEARNABLE_STEPS,
+            mlflow_tracking_uri=server.url,
+        )  # the default gate, 0.2
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        children = _check_run(tmp_path, proc.stdout, MlflowClient(server.url))
+        text, as_json = (
+            subprocess.run(
+                [sys.executable, "-m", "kubellm.cli", "lineage", "kubellm-tiny@champion", *flag],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env={**os.environ, "MLFLOW_TRACKING_URI": server.url},
+                check=True,
+            ).stdout
+            for flag in ([], ["--json"])
+        )
+        # any MLflow client loads the champion from the server's registry and generates
+        smoke = children["smoke_test"].data.params
+        loaded = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import json, sys, mlflow; m = mlflow.pyfunc.load_model("
+                "'models:/kubellm-tiny@champion'); print(json.dumps(m.predict([sys.argv[1]])))",
+                smoke["prompt"],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "MLFLOW_TRACKING_URI": server.url},
+        )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    # the same weights and greedy decoding as the served model's answer in the smoke test
+    assert json.loads(loaded.stdout.strip().splitlines()[-1]) == [smoke["answer"]]
+    chain = json.loads(as_json)
+    assert chain["model"]["version"] == "1" and "champion" in chain["model"]["aliases"]
+    assert chain["data"]["fingerprint"] == children["prepare_data"].data.tags[FINGERPRINT]
+    assert chain["data"]["records_read"] == 3000
+    assert chain["tuning"]["best_trial"].startswith("kubellm-tiny-tune-")
+    assert chain["training"]["run"] == children["train"].info.run_id
+    assert chain["evaluation"]["run"] == children["evaluate"].info.run_id
+    assert chain["evaluation"]["gate"] == "promote"
+    assert chain["deployment"]["endpoint"].startswith("http://127.0.0.1:")
+    # the version's artifact is on the server (proxied), not on this machine
+    assert text.startswith("kubellm-tiny v1 (challenger, champion): mlflow-artifacts:/"), text
+    for part in ("data", "tuning", "training", "evaluation", "gate", "deployment"):
+        assert f"\n  {part} " in text, (part, text)
+
+
+def _check_run(tmp_path: Path, out: str, client: MlflowClient) -> dict[str, Any]:
+    """The summary, the terminal output and the MLflow record of a promoted run."""
     summary = out[out.rindex("=" * 78) :]
     assert ": SUCCEEDED" in summary and "pipeline succeeded" in summary
     for row in (
@@ -72,7 +128,7 @@ def test_full_pipeline_serves_and_records_lineage(tmp_path: Path, half_learnable
         "gate | promote (exact_match ",
         "model name / version | kubellm-tiny / 1",
         "prompt -> answer",
-        "mlflow ui --backend-store-uri sqlite:///",
+        f"Open the MLflow UI: `open {client.tracking_uri}`",
     ):
         assert row in summary, row
     gate = re.search(
@@ -97,7 +153,6 @@ def test_full_pipeline_serves_and_records_lineage(tmp_path: Path, half_learnable
     # the committed YAML (renamed copy) is what kfp.local ran
     assert list((tmp_path / "runs" / "kfp").glob("e2e-copy-*"))
 
-    client = _client(tmp_path)
     [exp] = [e for e in client.search_experiments() if e.name == "kubellm"]
     parents = client.search_runs([exp.experiment_id], "tags.`kubellm.stage` = 'pipeline'")
     assert len(parents) == 1
@@ -111,7 +166,7 @@ def test_full_pipeline_serves_and_records_lineage(tmp_path: Path, half_learnable
     mv = client.get_model_version_by_alias("kubellm-tiny", "champion")
     assert mv.tags["kubellm.kfp_run_id"] == kfp_run
     assert mv.tags["kubellm.pipeline_run"] == parent.info.run_id
-    fingerprint = children["prepare_data"].data.tags["kubellm.data_fingerprint"]
+    fingerprint = children["prepare_data"].data.tags[FINGERPRINT]
     assert mv.tags["kubellm.data_fingerprint"] == fingerprint and len(fingerprint) == 64
     assert mv.tags["kubellm.training_run"] == children["train"].info.run_id
     assert mv.tags["kubellm.best_trial"].startswith("kubellm-tiny-tune-")
@@ -122,6 +177,7 @@ def test_full_pipeline_serves_and_records_lineage(tmp_path: Path, half_learnable
     assert not list(servers.glob("*.json")), "a model server was left running"
     state_logs = list(servers.glob("*.log"))
     assert state_logs and "serving kubellm-tiny" in state_logs[0].read_text()
+    return children
 
 
 def test_gate_rejects_and_nothing_is_registered(tmp_path: Path, half_learnable: Path) -> None:
@@ -163,7 +219,8 @@ def test_a_failing_stage_fails_the_run_with_its_reason(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert ": FAILED" in proc.stdout and "pipeline FAILED" in proc.stdout
-    assert "prepare_data: data source" in proc.stdout and "matches no file" in proc.stdout
+    # preflight lists the data source (data_spec), so a wrong path fails there, in seconds
+    assert "preflight: data source" in proc.stdout and "matches no file" in proc.stdout
     client = _client(tmp_path)
     [parent] = client.search_runs(
         [client.get_experiment_by_name("kubellm").experiment_id],
@@ -172,5 +229,5 @@ def test_a_failing_stage_fails_the_run_with_its_reason(tmp_path: Path) -> None:
     assert parent.info.status == "FAILED"
     assert parent.data.tags["kubellm.state"] == "FAILED"
     [failed] = [r for r in _children(client, parent).values() if r.info.status == "FAILED"]
-    assert failed.data.tags["kubellm.stage"] == "prepare_data"
+    assert failed.data.tags["kubellm.stage"] == "preflight"
     assert "matches no file" in failed.data.tags["kubellm.error"]

@@ -1,28 +1,47 @@
 """A FAKE Kubeflow Pipelines API server, for what cannot run here (a cluster with KFP).
 
-It serves the slice of the v2beta1 REST API that `kfp.Client.create_run_from_pipeline_package`
-walks through: `GET /apis/v2beta1/healthz` (the client asks whether the deployment is
-multi-user), `GET /apis/v2beta1/experiments?filter=...` (find the experiment by display
-name), `POST /apis/v2beta1/experiments` (create it when missing), `POST /apis/v2beta1/runs`
-(the run, with the compiled pipeline inline), and the GETs of one experiment or run.
-Responses have the server's JSON shapes (snake_case fields, RFC 3339 times, a new run in
-state PENDING, errors as grpc-gateway `{error, code, message, details}` bodies).
+It serves the slice of the v2beta1 REST API that `kfp.Client` (and the `kfp` CLI) walk
+through for runs, uploaded pipelines and recurring runs:
 
-No pipeline runs. What makes it worth having is that a run create is checked the way the
-real API server checks it, before it would hand the run to Argo:
+- `GET /apis/v2beta1/healthz` (the client asks whether the deployment is multi-user);
+- experiments: `GET /experiments?filter=...`, `POST /experiments`, `GET /experiments/{id}`;
+- runs: `POST /runs` (the compiled pipeline inline, or a pipeline_version_reference),
+  `GET /runs/{id}`;
+- pipelines: `POST /pipelines` (the pipeline alone), `POST /pipelines/upload` and
+  `POST /pipelines/upload_version` (multipart `uploadfile`, names in the query string),
+  `GET /pipelines[?filter,namespace]`, `GET /pipelines/{id}`, `GET /pipelines/{id}/versions`,
+  `GET /pipelines/{id}/versions/{version_id}`;
+- recurring runs: `POST /recurringruns`, `GET /recurringruns[?experiment_id,filter]`,
+  `GET|DELETE /recurringruns/{id}`, `POST /recurringruns/{id}:enable|:disable`.
 
-- the body has only fields of a V2beta1Run (kfp_server_api's model is the schema), a
-  display_name, and an experiment_id of an experiment that exists;
-- pipeline_spec (bare, or `{pipeline_spec, platform_spec}` as the client sends a spec with
-  a platform part) parses as the PipelineSpec (and PlatformSpec) protobuf of
-  kfp-pipeline-spec, has pipelineInfo.name, root.dag and deploymentSpec, and every
-  executorLabel and componentRef it names exists;
+Responses have the server's JSON shapes (snake_case fields, RFC 3339 times, int64 as strings,
+a new run in state PENDING, errors as grpc-gateway `{error, code, message, details}` bodies;
+the upload handlers' own `{error_message, error_details}`), and its status codes: 400 invalid,
+404 missing, 409 a pipeline (per namespace) or version (per pipeline) name taken, as the
+database's unique indexes make it; with `token=`, 401 for a request without
+`Authorization: Bearer <token>`, as behind Kubeflow's auth proxy.
+
+No pipeline runs. What makes it worth having is that every body is checked the way the real
+API server checks it:
+
+- a body has only fields of its kfp_server_api model (V2beta1Run, V2beta1RecurringRun,
+  V2beta1Pipeline, and nested RuntimeConfig, Trigger, CronSchedule, PipelineVersionReference),
+  a display_name, and an experiment_id of an experiment that exists;
+- pipeline_spec (inline, bare, or `{pipeline_spec, platform_spec}` as the client sends a spec
+  with a platform part; or the uploaded YAML) parses as the PipelineSpec (and PlatformSpec)
+  protobuf of kfp-pipeline-spec, has pipelineInfo.name, root.dag and deploymentSpec, and
+  every executorLabel and componentRef it names exists;
+- a pipeline_version_reference names a pipeline and a version of it that exist;
 - every runtime_config parameter is a declared root input parameter of that spec and its
   JSON value fits the declared parameterType (NUMBER_INTEGER: an integral number,
   NUMBER_DOUBLE: a number, STRING, BOOLEAN, LIST, STRUCT; a bool is never a number), and no
-  required root parameter (no default, not optional) is left out.
+  required root parameter (no default, not optional) is left out;
+- a recurring run has mode ENABLE or DISABLE, max_concurrency 1 to 10, and one trigger: a
+  cron_schedule whose cron robfig/cron v1.2.0's `cron.Parse` accepts (the parser KFP's
+  server and ScheduledWorkflow controller use: 5-6 fields, seconds first) or a
+  periodic_schedule of at least 1 s.
 
-Anything else gets HTTP 400 naming the field, as from the real server, and is recorded in
+Anything else gets the real server's error status naming the field and is recorded in
 `errors` so a test can assert there were none. Like the server's protobuf Value, JSON does
 not tell 0 from 0.0 apart for the check; the recorded bodies keep the exact JSON so a test
 can assert the type the client sent.
@@ -36,6 +55,8 @@ can assert the type the client sent.
 from __future__ import annotations
 
 import copy
+import email.parser
+import email.policy
 import json
 import re
 import threading
@@ -46,24 +67,59 @@ from typing import Any, NoReturn
 from urllib.parse import parse_qs, urlsplit
 
 import kfp_server_api
+import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
+
+from kubellm.schedule import robfig_cron_error
 
 from .http_fake import JsonHandler, LoopbackFake
 
 API = "/apis/v2beta1"
 
 # grpc status codes the gateway puts in error bodies
-_INVALID_ARGUMENT, _NOT_FOUND, _ALREADY_EXISTS, _UNIMPLEMENTED = 3, 5, 6, 12
-_HTTP = {_INVALID_ARGUMENT: 400, _NOT_FOUND: 404, _ALREADY_EXISTS: 409, _UNIMPLEMENTED: 501}
+_INVALID_ARGUMENT, _NOT_FOUND, _ALREADY_EXISTS, _UNIMPLEMENTED, _UNAUTHENTICATED = 3, 5, 6, 12, 16
+_HTTP = {
+    _INVALID_ARGUMENT: 400,
+    _NOT_FOUND: 404,
+    _ALREADY_EXISTS: 409,
+    _UNIMPLEMENTED: 501,
+    _UNAUTHENTICATED: 401,
+}
 
 # the fields the server's protobuf messages have (the generated client's models mirror them)
 RUN_FIELDS = frozenset(kfp_server_api.V2beta1Run.attribute_map.values())
 RUNTIME_CONFIG_FIELDS = frozenset(kfp_server_api.V2beta1RuntimeConfig.attribute_map.values())
 EXPERIMENT_FIELDS = frozenset(kfp_server_api.V2beta1Experiment.attribute_map.values())
+PIPELINE_FIELDS = frozenset(kfp_server_api.V2beta1Pipeline.attribute_map.values())
+RECURRING_RUN_FIELDS = frozenset(kfp_server_api.V2beta1RecurringRun.attribute_map.values())
+TRIGGER_FIELDS = frozenset(kfp_server_api.V2beta1Trigger.attribute_map.values())
+CRON_FIELDS = frozenset(kfp_server_api.V2beta1CronSchedule.attribute_map.values())
+PERIODIC_FIELDS = frozenset(kfp_server_api.V2beta1PeriodicSchedule.attribute_map.values())
+VERSION_REF_FIELDS = frozenset(
+    kfp_server_api.V2beta1PipelineVersionReference.attribute_map.values()
+)
+RECURRING_RUN_MODES = frozenset(kfp_server_api.RecurringRunMode.allowable_values) - {
+    "MODE_UNSPECIFIED"
+}
+
+# list responses' JSON keys as the models read them (the proto names: `recurringRuns`)
+_LIST_KEY = {
+    "pipelines": kfp_server_api.V2beta1ListPipelinesResponse.attribute_map["pipelines"],
+    "pipeline_versions": kfp_server_api.V2beta1ListPipelineVersionsResponse.attribute_map[
+        "pipeline_versions"
+    ],
+    "recurring_runs": kfp_server_api.V2beta1ListRecurringRunsResponse.attribute_map[
+        "recurring_runs"
+    ],
+}
 
 _EXPERIMENT = re.compile(rf"^{API}/experiments/(?P<id>[^/:]+)$")
 _RUN = re.compile(rf"^{API}/runs/(?P<id>[^/:]+)$")
+_PIPELINE = re.compile(rf"^{API}/pipelines/(?P<id>[^/:]+)$")
+_VERSIONS = re.compile(rf"^{API}/pipelines/(?P<id>[^/:]+)/versions$")
+_VERSION = re.compile(rf"^{API}/pipelines/(?P<id>[^/:]+)/versions/(?P<vid>[^/:]+)$")
+_RECURRING = re.compile(rf"^{API}/recurringruns/(?P<id>[^/:]+?)(?P<verb>:enable|:disable)?$")
 
 
 @dataclass(frozen=True)
@@ -77,12 +133,39 @@ class Recorded:
 
 
 class _Reply(Exception):
-    """Ends a request with a grpc-gateway error body."""
+    """Ends a request with a grpc-gateway error body (or, from the upload handlers, which
+    are plain HTTP handlers, the v1beta1 Error body they write)."""
 
-    def __init__(self, grpc_code: int, message: str) -> None:
+    def __init__(self, grpc_code: int, message: str, *, upload: bool = False) -> None:
         super().__init__(message)
         self.code = _HTTP[grpc_code]
-        self.body = {"error": message, "code": grpc_code, "message": message, "details": []}
+        self.body: dict[str, Any] = (
+            {"error_message": message, "error_details": message}
+            if upload
+            else {"error": message, "code": grpc_code, "message": message, "details": []}
+        )
+
+
+KFP_CLIENT_ENV = (
+    "KFP_ENDPOINT",
+    "KFP_TOKEN",
+    "KF_PIPELINES_SA_TOKEN_PATH",
+    "KF_PIPELINES_ENDPOINT",
+    "KF_PIPELINES_UI_ENDPOINT",
+    "KF_PIPELINES_DEFAULT_EXPERIMENT_NAME",
+    "KF_PIPELINES_OVERRIDE_EXPERIMENT_NAME",
+)
+
+
+def isolate_kfp_client(monkeypatch: Any, tmp_path: Any) -> None:
+    """No endpoint, token, experiment or namespace from this machine's environment, from
+    ~/.config/kfp/context.json or from an in-cluster token file: only what a test passes."""
+    for var in KFP_CLIENT_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(
+        "kfp.client.client.Client._LOCAL_KFP_CONTEXT", str(tmp_path / "kfp" / "context.json")
+    )
+    monkeypatch.setattr("kubellm.kfp_client.SA_TOKEN_PATH", str(tmp_path / "no-sa-token"))
 
 
 def _now() -> str:
@@ -184,15 +267,50 @@ def runtime_parameter_errors(spec: dict[str, Any], parameters: Any) -> list[str]
     return errors
 
 
+def unknown_fields(body: dict[str, Any], allowed: frozenset[str], where: str = "") -> list[str]:
+    """`where.field: unknown field` for each key the server's message does not have."""
+    return [f"{where}{k}: unknown field" for k in sorted(set(body) - allowed)]
+
+
+def spec_from_yaml(text: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """An uploaded pipeline YAML as the client would inline it, and its errors."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as err:
+        return None, [f"uploadfile: not YAML: {err}"]
+    if not docs or not all(isinstance(d, dict) for d in docs):
+        return None, ["uploadfile: not a compiled pipeline"]
+    platform: dict[str, Any] = {}
+    for doc in docs[1:]:
+        platform.update(doc)
+    spec = {"pipeline_spec": docs[0], "platform_spec": platform}
+    return spec, pipeline_spec_errors(spec)
+
+
+def _int64(value: Any) -> int | None:
+    """An int64 field as protojson reads it: a JSON number or a decimal string."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]+", value):
+        return int(value)
+    return None
+
+
 class FakeKfp(LoopbackFake):
     """The fake KFP API server; a context manager that serves on 127.0.0.1 on a free port."""
 
-    def __init__(self, *, multi_user: bool = False) -> None:
+    def __init__(self, *, multi_user: bool = False, token: str | None = None) -> None:
         super().__init__()
         self.multi_user = multi_user
+        self.token = token  # when set, every request needs `Authorization: Bearer <token>`
         self._lock = threading.RLock()
         self.experiments: dict[str, dict[str, Any]] = {}
         self.runs: dict[str, dict[str, Any]] = {}
+        self.pipelines: dict[str, dict[str, Any]] = {}
+        self.versions: dict[str, dict[str, Any]] = {}  # by pipeline_version_id
+        self.recurring_runs: dict[str, dict[str, Any]] = {}
         self.requests: list[Recorded] = []
         self.errors: list[str] = []  # every rejected request's reasons, across requests
 
@@ -207,15 +325,28 @@ class FakeKfp(LoopbackFake):
         """Bodies POSTed to /runs, as sent (accepted or not)."""
         return [r.body for r in self.requests if r.method == "POST" and r.path == f"{API}/runs"]
 
+    def created_recurring_runs(self) -> list[Any]:
+        """Bodies POSTed to /recurringruns, as sent (accepted or not)."""
+        path = f"{API}/recurringruns"
+        return [r.body for r in self.requests if r.method == "POST" and r.path == path]
+
     # ------------------------------------------------------------ request handling
 
-    def handle(self, method: str, raw_path: str, body: Any) -> tuple[int, Any]:
+    def handle(
+        self, method: str, raw_path: str, body: Any, authorization: str | None = None
+    ) -> tuple[int, Any]:
         parts = urlsplit(raw_path)
         query = parse_qs(parts.query)
         path = parts.path.rstrip("/")
         with self._lock:
             self.requests.append(Recorded(method, path, query, copy.deepcopy(body)))
             try:
+                if self.token is not None and authorization != f"Bearer {self.token}":
+                    self.errors.append(f"{method} {path}: no valid bearer token")
+                    raise _Reply(
+                        _UNAUTHENTICATED,
+                        "Request header error: there is no user identity header.",
+                    )
                 return 200, self._route(method, path, query, body)
             except _Reply as reply:
                 return reply.code, reply.body
@@ -232,20 +363,89 @@ class FakeKfp(LoopbackFake):
             if method == "POST":
                 return self._create_experiment(body)
         if (m := _EXPERIMENT.match(path)) and method == "GET":
-            if m["id"] not in self.experiments:
-                raise _Reply(_NOT_FOUND, f"Experiment {m['id']} not found")
-            return copy.deepcopy(self.experiments[m["id"]])
+            return copy.deepcopy(self._get(self.experiments, "Experiment", m["id"]))
         if path == f"{API}/runs" and method == "POST":
             return self._create_run(body)
         if (m := _RUN.match(path)) and method == "GET":
-            if m["id"] not in self.runs:
-                raise _Reply(_NOT_FOUND, f"Run {m['id']} not found")
-            return copy.deepcopy(self.runs[m["id"]])
+            return copy.deepcopy(self._get(self.runs, "Run", m["id"]))
+        if path.startswith(f"{API}/pipelines"):
+            return self._route_pipelines(method, path, query, body)
+        if path == f"{API}/recurringruns":
+            if method == "POST":
+                return self._create_recurring_run(body)
+            if method == "GET":
+                return self._list_recurring_runs(query)
+        if m := _RECURRING.match(path):
+            return self._recurring_run_call(method, m["id"], m["verb"])
         raise _Reply(_UNIMPLEMENTED, f"the fake KFP server does not serve {method} {path}")
 
-    def _reject(self, what: str, errors: list[str]) -> NoReturn:
+    def _route_pipelines(
+        self, method: str, path: str, query: dict[str, list[str]], body: Any
+    ) -> Any:
+        if path == f"{API}/pipelines/upload" and method == "POST":
+            return self._upload_pipeline(query, body)
+        if path == f"{API}/pipelines/upload_version" and method == "POST":
+            return self._upload_version(query, body)
+        if path == f"{API}/pipelines":
+            if method == "POST":
+                return self._create_pipeline(body)
+            if method == "GET":
+                return self._list_pipelines(query)
+        if (m := _PIPELINE.match(path)) and method == "GET":
+            return copy.deepcopy(self._get(self.pipelines, "Pipeline", m["id"]))
+        if (m := _VERSIONS.match(path)) and method == "GET":
+            self._get(self.pipelines, "Pipeline", m["id"])
+            items = [v for v in self.versions.values() if v["pipeline_id"] == m["id"]]
+            return self._page(
+                self._filtered(items, query, "list pipeline versions"), query, "pipeline_versions"
+            )
+        if (m := _VERSION.match(path)) and method == "GET":
+            version = self._get(self.versions, "PipelineVersion", m["vid"])
+            if version["pipeline_id"] != m["id"]:
+                raise _Reply(_NOT_FOUND, f"PipelineVersion {m['vid']} not found")
+            return copy.deepcopy(version)
+        raise _Reply(_UNIMPLEMENTED, f"the fake KFP server does not serve {method} {path}")
+
+    def _reject(self, what: str, errors: list[str], *, upload: bool = False) -> NoReturn:
         self.errors += [f"{what}: {e}" for e in errors]
-        raise _Reply(_INVALID_ARGUMENT, f"Invalid input error: {what}: " + "; ".join(errors))
+        raise _Reply(
+            _INVALID_ARGUMENT, f"Invalid input error: {what}: " + "; ".join(errors), upload=upload
+        )
+
+    def _get(self, store: dict[str, dict[str, Any]], kind: str, key: str) -> dict[str, Any]:
+        if key not in store:
+            raise _Reply(_NOT_FOUND, f"{kind} {key} not found")
+        return store[key]
+
+    def _filtered(
+        self, items: list[dict[str, Any]], query: dict[str, list[str]], what: str
+    ) -> list[dict[str, Any]]:
+        """Items that pass the query's `filter` (a JSON v2beta1 Filter; EQUALS predicates)."""
+        raw_filter = (query.get("filter") or [""])[0]
+        if not raw_filter:
+            return items
+        try:
+            predicates = json.loads(raw_filter).get("predicates") or []
+        except (ValueError, AttributeError):
+            self._reject(what, [f"filter: not a JSON filter: {raw_filter}"])
+        for pred in predicates:
+            if pred.get("operation") not in (1, "EQUALS"):
+                self._reject(what, [f"filter: unsupported predicate {pred}"])
+            key, want = pred.get("key"), pred.get("stringValue", pred.get("string_value"))
+            items = [e for e in items if e.get(key) == want]
+        return items
+
+    def _page(self, items: list[dict[str, Any]], query: dict[str, list[str]], field: str) -> Any:
+        """One page of a list response (`page_size`, `page_token` = the offset)."""
+        size = int((query.get("page_size") or ["0"])[0] or 0) or len(items) or 1
+        start = int((query.get("page_token") or ["0"])[0] or 0)
+        page = items[start : start + size]
+        if not page:
+            return {}  # the gateway leaves out empty fields
+        out: dict[str, Any] = {_LIST_KEY[field]: copy.deepcopy(page), "total_size": len(items)}
+        if start + size < len(items):
+            out["next_page_token"] = str(start + size)
+        return out
 
     # -- experiments
 
@@ -254,17 +454,7 @@ class FakeKfp(LoopbackFake):
         if self.multi_user and not namespace:
             self._reject("list experiments", ["namespace: required in multi-user mode"])
         items = [e for e in self.experiments.values() if e.get("namespace", "") == namespace]
-        raw_filter = (query.get("filter") or [""])[0]
-        if raw_filter:
-            try:
-                predicates = json.loads(raw_filter).get("predicates") or []
-            except (ValueError, AttributeError):
-                self._reject("list experiments", [f"filter: not a JSON filter: {raw_filter}"])
-            for pred in predicates:
-                if pred.get("operation") not in (1, "EQUALS"):
-                    self._reject("list experiments", [f"filter: unsupported predicate {pred}"])
-                key, want = pred.get("key"), pred.get("stringValue", pred.get("string_value"))
-                items = [e for e in items if e.get(key) == want]
+        items = self._filtered(items, query, "list experiments")
         if not items:
             return {}  # the gateway leaves out empty fields
         return {"experiments": copy.deepcopy(items), "total_size": len(items)}
@@ -272,7 +462,7 @@ class FakeKfp(LoopbackFake):
     def _create_experiment(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
             self._reject("create experiment", ["the body is not a JSON object"])
-        errors = [f"{k}: unknown field" for k in sorted(set(body) - EXPERIMENT_FIELDS)]
+        errors = unknown_fields(body, EXPERIMENT_FIELDS)
         name = body.get("display_name")
         if not isinstance(name, str) or not name.strip():
             errors.append("display_name: required")
@@ -309,7 +499,7 @@ class FakeKfp(LoopbackFake):
     def _create_run(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
             self._reject("create run", ["the body is not a JSON object"])
-        errors = [f"{k}: unknown field" for k in sorted(set(body) - RUN_FIELDS)]
+        errors = unknown_fields(body, RUN_FIELDS)
         name = body.get("display_name")
         if not isinstance(name, str) or not name.strip():
             errors.append("display_name: required")
@@ -318,25 +508,7 @@ class FakeKfp(LoopbackFake):
             errors.append("experiment_id: required")
         elif not isinstance(exp_id, str) or exp_id not in self.experiments:
             errors.append(f"experiment_id: experiment {exp_id} not found")
-        spec = body.get("pipeline_spec")
-        spec_errors: list[str] = []
-        if body.get("pipeline_version_reference"):
-            errors.append("pipeline_version_reference: no pipelines are uploaded to this fake")
-        elif spec is None:
-            errors.append("pipeline_spec: required (or pipeline_version_reference)")
-        else:
-            spec_errors = pipeline_spec_errors(spec)
-            errors += spec_errors
-        runtime = body.get("runtime_config") or {}
-        if not isinstance(runtime, dict):
-            errors.append("runtime_config: must be an object")
-        else:
-            errors += [
-                f"runtime_config.{k}: unknown field"
-                for k in sorted(set(runtime) - RUNTIME_CONFIG_FIELDS)
-            ]
-            if isinstance(spec, dict) and not spec_errors:
-                errors += runtime_parameter_errors(spec, runtime.get("parameters"))
+        errors += self._spec_and_parameters(body)
         if errors:
             self._reject("create run", errors)
         now = _now()
@@ -354,18 +526,288 @@ class FakeKfp(LoopbackFake):
         self.experiments[str(exp_id)]["last_run_created_at"] = now
         return copy.deepcopy(run)
 
+    def _spec_and_parameters(self, body: dict[str, Any]) -> list[str]:
+        """Errors of a run's or recurring run's pipeline (inline spec or a reference to an
+        uploaded version) and of its runtime_config against that pipeline."""
+        errors: list[str] = []
+        spec = body.get("pipeline_spec")
+        ref = body.get("pipeline_version_reference")
+        spec_errors: list[str] = []
+        if ref and spec is not None:
+            errors.append("pipeline_spec: give pipeline_spec or pipeline_version_reference")
+        elif ref:
+            if not isinstance(ref, dict):
+                return ["pipeline_version_reference: must be an object"]
+            errors += unknown_fields(ref, VERSION_REF_FIELDS, "pipeline_version_reference.")
+            version = self.versions.get(str(ref.get("pipeline_version_id")))
+            if version is None or version["pipeline_id"] != ref.get("pipeline_id"):
+                # the server fetches the version first: NotFound, 404
+                missing = (
+                    f"pipeline_version_reference: version {ref.get('pipeline_version_id')} of "
+                    f"pipeline {ref.get('pipeline_id')} not found"
+                )
+                self.errors.append(missing)
+                raise _Reply(_NOT_FOUND, missing)
+            spec = version["pipeline_spec"]
+        elif spec is None:
+            errors.append("pipeline_spec: required (or pipeline_version_reference)")
+        else:
+            spec_errors = pipeline_spec_errors(spec)
+            errors += spec_errors
+        runtime = body.get("runtime_config") or {}
+        if not isinstance(runtime, dict):
+            errors.append("runtime_config: must be an object")
+        else:
+            errors += unknown_fields(runtime, RUNTIME_CONFIG_FIELDS, "runtime_config.")
+            if isinstance(spec, dict) and not spec_errors:
+                errors += runtime_parameter_errors(spec, runtime.get("parameters"))
+        return errors
+
+    # -- pipelines and versions
+
+    def _store_pipeline(self, name: str, display: str, namespace: str, description: str) -> Any:
+        if not name.strip():
+            self._reject("create pipeline", ["name: required"])
+        for p in self.pipelines.values():
+            if p["name"] == name and p.get("namespace", "") == namespace:
+                raise _Reply(_ALREADY_EXISTS, f"Pipeline with name {name} already exists")
+        pipeline: dict[str, Any] = {
+            "pipeline_id": str(uuid.uuid4()),
+            "name": name,
+            "display_name": display or name,
+            "created_at": _now(),
+        }
+        if description:
+            pipeline["description"] = description
+        if namespace:
+            pipeline["namespace"] = namespace
+        self.pipelines[pipeline["pipeline_id"]] = pipeline
+        return pipeline
+
+    def _store_version(
+        self, pipeline_id: str, name: str, display: str, spec: dict[str, Any], description: str
+    ) -> dict[str, Any]:
+        for v in self.versions.values():
+            if v["pipeline_id"] == pipeline_id and v["name"] == name:
+                raise _Reply(_ALREADY_EXISTS, "Failed to create a pipeline version", upload=True)
+        version: dict[str, Any] = {
+            "pipeline_id": pipeline_id,
+            "pipeline_version_id": str(uuid.uuid4()),
+            "name": name,
+            "display_name": display or name,
+            "created_at": _now(),
+            "pipeline_spec": spec,
+        }
+        if description:
+            version["description"] = description
+        self.versions[version["pipeline_version_id"]] = version
+        return version
+
+    def _create_pipeline(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            self._reject("create pipeline", ["the body is not a JSON object"])
+        errors = unknown_fields(body, PIPELINE_FIELDS)
+        namespace = body.get("namespace") or ""
+        if errors:
+            self._reject("create pipeline", errors)
+        name = str(body.get("name") or body.get("display_name") or "")
+        pipeline = self._store_pipeline(
+            name, str(body.get("display_name") or ""), namespace, body.get("description") or ""
+        )
+        return copy.deepcopy(pipeline)
+
+    def _list_pipelines(self, query: dict[str, list[str]]) -> Any:
+        namespace = (query.get("namespace") or [""])[0]
+        items = [p for p in self.pipelines.values() if p.get("namespace", "") == namespace]
+        return self._page(self._filtered(items, query, "list pipelines"), query, "pipelines")
+
+    def _uploaded(self, what: str, body: Any) -> tuple[str, dict[str, Any]]:
+        """(file name, pipeline spec) of a multipart `uploadfile`, or a 400 upload error."""
+        upload = (body or {}).get("uploadfile") if isinstance(body, dict) else None
+        if not upload:
+            self._reject(what, ["uploadfile: no multipart file"], upload=True)
+        filename, text = upload["filename"], upload["content"]
+        if not filename.endswith((".yaml", ".yml", ".json", ".zip", ".tar.gz", ".tgz")):
+            self._reject(what, [f"uploadfile: unexpected pipeline file {filename}"], upload=True)
+        spec, errors = spec_from_yaml(text)
+        if errors or spec is None:
+            self._reject(what, errors, upload=True)
+        return filename, spec
+
+    def _upload_pipeline(self, query: dict[str, list[str]], body: Any) -> dict[str, Any]:
+        filename, spec = self._uploaded("upload pipeline", body)
+        q = {k: v[0] for k, v in query.items()}
+        name = q.get("name") or q.get("display_name") or filename.split(".")[0]
+        try:
+            pipeline = self._store_pipeline(
+                name, q.get("display_name", ""), q.get("namespace", ""), q.get("description", "")
+            )
+        except _Reply as reply:
+            if reply.code == 409:
+                raise _Reply(
+                    _ALREADY_EXISTS,
+                    "Failed to create a pipeline and a pipeline version",
+                    upload=True,
+                ) from None
+            raise
+        self._store_version(
+            pipeline["pipeline_id"],
+            name,
+            pipeline["display_name"],
+            spec,
+            q.get("description", ""),
+        )
+        return copy.deepcopy(pipeline)
+
+    def _upload_version(self, query: dict[str, list[str]], body: Any) -> dict[str, Any]:
+        filename, spec = self._uploaded("upload pipeline version", body)
+        q = {k: v[0] for k, v in query.items()}
+        pipeline_id = q.get("pipelineid", "")
+        if pipeline_id not in self.pipelines:  # the server cannot read its namespace: 400
+            self._reject(
+                "upload pipeline version",
+                [f"pipelineid: pipeline {pipeline_id!r} not found"],
+                upload=True,
+            )
+        name = q.get("name") or q.get("display_name") or filename.split(".")[0]
+        version = self._store_version(
+            pipeline_id, name, q.get("display_name", ""), spec, q.get("description", "")
+        )
+        return copy.deepcopy(version)
+
+    # -- recurring runs
+
+    def _trigger_errors(self, trigger: Any) -> list[str]:
+        if not isinstance(trigger, dict) or not trigger:
+            return ["trigger: required (cron_schedule or periodic_schedule)"]
+        errors = unknown_fields(trigger, TRIGGER_FIELDS, "trigger.")
+        cron, periodic = trigger.get("cron_schedule"), trigger.get("periodic_schedule")
+        if bool(cron) == bool(periodic):
+            return [*errors, "trigger: exactly one of cron_schedule, periodic_schedule"]
+        if cron:
+            errors += unknown_fields(cron, CRON_FIELDS, "trigger.cron_schedule.")
+            why = robfig_cron_error(str(cron.get("cron") or ""))
+            if why:
+                errors.append(
+                    "trigger.cron_schedule.cron: Schedule cron is not a supported format"
+                    f"(https://godoc.org/github.com/robfig/cron). Error: {why}"
+                )
+        else:
+            errors += unknown_fields(periodic, PERIODIC_FIELDS, "trigger.periodic_schedule.")
+            interval = _int64(periodic.get("interval_second"))
+            if interval is None or interval < 1:
+                errors.append(
+                    "trigger.periodic_schedule.interval_second: Found invalid period schedule "
+                    f"interval {periodic.get('interval_second')}. Set at interval to least 1 second"
+                )
+        return errors
+
+    def _create_recurring_run(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            self._reject("create recurring run", ["the body is not a JSON object"])
+        errors = unknown_fields(body, RECURRING_RUN_FIELDS)
+        name = body.get("display_name")
+        if not isinstance(name, str) or not name.strip():
+            errors.append("display_name: Recurring run's name cannot be empty")
+        exp_id = body.get("experiment_id")
+        if not exp_id:
+            errors.append("experiment_id: required")
+        elif not isinstance(exp_id, str) or exp_id not in self.experiments:
+            errors.append(f"experiment_id: experiment {exp_id} not found")
+        if body.get("mode") not in RECURRING_RUN_MODES:
+            errors.append(f"mode: must be ENABLE or DISABLE, got {body.get('mode')!r}")
+        concurrency = _int64(body.get("max_concurrency", 0))
+        if concurrency is None or not 1 <= concurrency <= 10:
+            errors.append(
+                "max_concurrency: Max concurrency of a recurring run must be at least 1 and at "
+                f"most 10. Received {body.get('max_concurrency', 0)}"
+            )
+        if "no_catchup" in body and not isinstance(body["no_catchup"], bool):
+            errors.append("no_catchup: must be a boolean")
+        errors += self._trigger_errors(body.get("trigger"))
+        errors += self._spec_and_parameters(body)
+        if errors:
+            self._reject("create recurring run", errors)
+        now = _now()
+        enabled = body["mode"] == "ENABLE"
+        run = copy.deepcopy(body)
+        run.update(
+            recurring_run_id=str(uuid.uuid4()),
+            max_concurrency=str(concurrency),  # int64: a string in protojson
+            created_at=now,
+            updated_at=now,
+            status="ENABLED" if enabled else "DISABLED",
+        )
+        namespace = self.experiments[str(exp_id)].get("namespace")
+        if namespace:
+            run["namespace"] = namespace
+        self.recurring_runs[run["recurring_run_id"]] = run
+        return copy.deepcopy(run)
+
+    def _list_recurring_runs(self, query: dict[str, list[str]]) -> Any:
+        items = list(self.recurring_runs.values())
+        exp_id = (query.get("experiment_id") or [""])[0]
+        namespace = (query.get("namespace") or [""])[0]
+        if exp_id:
+            items = [r for r in items if r.get("experiment_id") == exp_id]
+        elif self.multi_user and not namespace:
+            self._reject("list recurring runs", ["namespace: required in multi-user mode"])
+        if namespace:
+            items = [r for r in items if r.get("namespace", "") == namespace]
+        items = self._filtered(items, query, "list recurring runs")
+        return self._page(items, query, "recurring_runs")
+
+    def _recurring_run_call(self, method: str, run_id: str, verb: str | None) -> Any:
+        run = self._get(self.recurring_runs, "RecurringRun", run_id)
+        if method == "GET" and not verb:
+            return copy.deepcopy(run)
+        if method == "DELETE" and not verb:
+            del self.recurring_runs[run_id]
+            return {}
+        if method == "POST" and verb:
+            enable = verb == ":enable"
+            run.update(
+                mode="ENABLE" if enable else "DISABLE",
+                status="ENABLED" if enable else "DISABLED",
+                updated_at=_now(),
+            )
+            return {}
+        raise _Reply(_UNIMPLEMENTED, f"the fake KFP server does not serve {method} {run_id}")
+
+
+def _multipart(content_type: str, raw: bytes) -> dict[str, Any]:
+    """The file parts of a multipart/form-data body: {field: {filename, content}}."""
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        f"Content-Type: {content_type}\r\n\r\n".encode() + raw
+    )
+    parts: dict[str, Any] = {}
+    for part in message.iter_parts():
+        field = part.get_param("name", header="content-disposition")
+        payload = part.get_payload(decode=True) or b""
+        parts[str(field)] = {
+            "filename": part.get_filename() or "",
+            "content": payload.decode("utf-8", "replace"),
+        }
+    return parts
+
 
 class _Handler(JsonHandler):
     protocol_version = "HTTP/1.1"
     fake: FakeKfp
 
     def _serve(self) -> None:
+        ctype = self.headers.get("Content-Type") or ""
+        auth = self.headers.get("Authorization")
         try:
-            body = self._read_json()
+            if ctype.startswith("multipart/form-data"):
+                length = int(self.headers.get("Content-Length") or 0)
+                body: Any = _multipart(ctype, self.rfile.read(length))
+            else:
+                body = self._read_json()
         except ValueError:
             code, out = 400, {"error": "not JSON", "code": 3, "message": "not JSON", "details": []}
         else:
-            code, out = self.fake.handle(self.command, self.path, body)
+            code, out = self.fake.handle(self.command, self.path, body, auth)
         self._send(code, out)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve

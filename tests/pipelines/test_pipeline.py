@@ -67,11 +67,12 @@ def test_dag_shape(spec: dict[str, Any]) -> None:
     root = spec["root"]["dag"]["tasks"]
     assert root["summarize"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     body = _tasks(spec, "comp-exit-handler-1")
-    assert {"preflight", "prepare-data"} <= set(body)
-    # nothing new since the champion: the run stops after prepare_data
+    assert {"preflight", "prepare-data", "record-data"} <= set(body)
+    assert set(body["record-data"]["dependentTasks"]) == {"preflight", "prepare-data"}
+    # nothing new since the champion: the run stops after record_data
     changed = next(t for t in body.values() if t.get("taskInfo", {}).get("name") == "data-changed")
     assert "== 'changed'" in changed["triggerPolicy"]["condition"]
-    assert "prepare-data" in changed["dependentTasks"]
+    assert "record-data" in changed["dependentTasks"]
     trained = _tasks(spec, changed["componentRef"]["name"])
     assert {"tune", "train", "evaluate"} <= set(trained)
     gate = next(t for t in trained.values() if t.get("taskInfo", {}).get("name") == "gate")
@@ -89,8 +90,23 @@ def test_steps_that_change_the_world_never_come_from_the_cache(spec: dict[str, A
     for comp in spec["components"].values():
         tasks.update(comp.get("dag", {}).get("tasks", {}))
     cached = {name for name, t in tasks.items() if t.get("cachingOptions", {}).get("enableCache")}
-    assert not cached & {"register", "deploy", "smoke-test", "summarize"}, cached
+    assert not cached & {"register", "deploy", "smoke-test", "summarize", "record-data"}, cached
     assert {"prepare-data", "train"} <= cached  # a retried run reuses what it finished
+
+
+def test_prepare_data_is_cached_by_its_data_alone(spec: dict[str, Any]) -> None:
+    """KFP's cache key is a task's input values, output specs, image and command
+    (api/v2alpha1/cache_key.proto in kubeflow/pipelines). prepare_data's one input is
+    preflight's data_spec (stages/test_prepare_data.py: it holds the data parameters and
+    source file versions, nothing run-specific), so a rerun on the same data reuses the
+    dataset; record_data, which writes the lineage, takes the run ids and never caches."""
+    task = _tasks(spec, "comp-exit-handler-1")["prepare-data"]
+    inputs = spec["components"]["comp-prepare-data"]["inputDefinitions"]
+    assert set(inputs["parameters"]) == {"data_spec"}
+    assert "artifacts" not in inputs
+    fed = task["inputs"]["parameters"]["data_spec"]["taskOutputParameter"]
+    assert fed == {"outputParameterKey": "data_spec", "producerTask": "preflight"}
+    assert task["cachingOptions"]["enableCache"] is True
 
 
 @pytest.mark.parametrize(
@@ -98,9 +114,11 @@ def test_steps_that_change_the_world_never_come_from_the_cache(spec: dict[str, A
     [
         ("comp-prepare-data", "dataset", "system.Dataset"),
         ("comp-prepare-data", "stats", "system.Metrics"),
+        ("comp-prepare-data", "report", "system.Markdown"),
         ("comp-train", "model", "system.Model"),
         ("comp-evaluate", "metrics", "system.Metrics"),
         ("comp-evaluate", "report", "system.Markdown"),
+        ("comp-evaluate", "html_report", "system.HTML"),
         ("comp-smoke-test", "report", "system.Markdown"),
         ("comp-summarize", "report", "system.Markdown"),
     ],

@@ -59,12 +59,16 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
     pre = preflight.run(params, RUN)
     c.results["preflight"] = pre
     c.ctx = StageContext.load(pre.config, pre.parent_run_id, RUN)
-    c.results["prepare_data"] = prepare_data.run(c.ctx, c.artifact("dataset"))
+    c.results["prepare_data"] = prepare(c.ctx, c.artifact("dataset"))
     c.results["tune"] = tune.run(c.ctx, c.artifact("dataset"))
     hparams = c.results["tune"].hparams_json
     c.results["train"] = train.run(c.ctx, c.artifact("dataset"), hparams, str(c.artifact("model")))
     c.results["evaluate"] = evaluate.run(
-        c.ctx, c.artifact("model"), c.artifact("dataset"), str(c.artifact("predictions.json"))
+        c.ctx,
+        c.artifact("model"),
+        c.artifact("dataset"),
+        str(c.artifact("predictions.json")),
+        str(c.artifact("report.html")),
     )
     c.results["register"] = register.run(c.ctx, c.artifact("model"))
     c.results["deploy"] = deploy.run(c.ctx, c.artifact("model"), c.results["register"].version)
@@ -76,6 +80,15 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
 def ctx(chain: Chain) -> StageContext:
     assert chain.ctx is not None
     return chain.ctx
+
+
+def prepare(ctx: StageContext, out_dir: Path) -> Any:
+    """prepare_data as the DAG runs it: build from preflight's data_spec, then record."""
+    from kubellm.stages import record_data
+    from kubellm.stages.configs import data_spec
+
+    prepare_data.run(data_spec(ctx.cfg), out_dir)
+    return record_data.run(ctx, out_dir)
 
 
 def side_context(ctx: StageContext, run: str, **update: Any) -> StageContext:

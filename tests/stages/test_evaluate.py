@@ -1,12 +1,37 @@
-"""stages.evaluate: held-out metrics, predictions for the smoke test, and the gate."""
+"""stages.evaluate: held-out metrics, predictions for the smoke test, the gate, and the HTML
+report (in KFP and on the MLflow evaluate run)."""
 
 from __future__ import annotations
 
+import html
 import json
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
 
 from kubellm.stages import evaluate
 from kubellm.stages.context import StageContext
 from stages.conftest import RUN, Chain, side_context
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def chain_evaluate_run(ctx: StageContext) -> Any:
+    """The chain's own evaluate run: the first under its parent (tests add later ones)."""
+    runs = ctx.tracker.children(ctx.parent_run_id)
+    return next(r for r in runs if r.data.tags.get("kubellm.stage") == "evaluate")
+
+
+def loss_curve(page: str) -> list[tuple[float, float]]:
+    """The (x, y) points of the page's loss curve, read from its SVG (well-formed XML)."""
+    [svg] = re.findall(r"<svg.*?</svg>", page, re.S)
+    [line] = [e for e in ET.fromstring(svg).iter(f"{SVG}polyline")]
+    return [(float(x), float(y)) for x, y in (p.split(",") for p in line.attrib["points"].split())]
+
+
+def artifacts(ctx: StageContext, run_id: str) -> set[str]:
+    return {a.path for a in ctx.tracker.client.list_artifacts(run_id)}
 
 
 def test_promotes_at_the_threshold_and_writes_predictions(chain: Chain) -> None:
@@ -57,6 +82,7 @@ def test_the_champion_is_measured_on_the_candidates_data_and_must_be_beaten(
                 chain.artifact("model"),
                 chain.artifact("dataset"),
                 str(out),
+                str(out.with_suffix(".html")),
             )
     finally:
         client.delete_registered_model_alias(name, CHAMPION)
@@ -69,6 +95,14 @@ def test_the_champion_is_measured_on_the_candidates_data_and_must_be_beaten(
     assert tie.decision == evaluate.PROMOTE, tie.reason
     tags = sides[0.0].stage_runs()["evaluate"].data.tags
     assert tags["kubellm.champion"] == f"champion v{version}"
+    # the report compares both and shows both models' generations, kept on the run
+    page = (chain.root / "champion-0.05.html").read_text()
+    assert f"<th>champion v{version}</th><th>candidate − champion</th>" in page
+    assert "improvement +0 &lt; gate_margin 0.05" in page
+    samples = page[page.index('<table class="samples">') :]
+    assert samples.count("<tr>") - 1 == min(8, int(strict.metrics["eval_examples"]))
+    run_id = sides[0.05].stage_runs()["evaluate"].info.run_id
+    assert "champion_predictions.json" in artifacts(sides[0.05], run_id)
 
 
 def test_a_plain_text_corpus_goes_through_the_gate_on_perplexity(
@@ -117,3 +151,57 @@ def test_a_plain_text_corpus_goes_through_the_gate_on_perplexity(
         result.reason.startswith("perplexity ") and "<= gate_max_perplexity 1000" in result.reason
     )
     assert side.stage_runs()["evaluate"].data.tags["kubellm.gate_metric"] == "perplexity"
+
+
+def test_the_html_report_draws_the_training_runs_loss_curve(
+    chain: Chain, ctx: StageContext
+) -> None:
+    page = chain.artifact("report.html").read_text()
+    train_run = ctx.stage_runs()["train"].info.run_id
+    history = ctx.tracker.client.get_metric_history(train_run, "loss")
+    assert len(history) >= 2  # the trainer logs loss every log_every steps
+    curve = loss_curve(page)
+    assert len(curve) == len(history) == len({m.step for m in history})
+    xs = [x for x, _ in curve]
+    assert xs == sorted(xs) and len(set(xs)) == len(xs)
+    assert train_run in page  # which run the curve comes from
+    result = chain.results["evaluate"]
+    assert f'<span class="badge">{result.decision.upper()}</span>' in page
+    for reason in result.reason.split("; "):
+        assert f"<li>{html.escape(reason)}</li>" in page
+    assert "no champion yet" in page  # the chain's first evaluation has none
+    # sample generations: the first evaluated prompt, as the candidate answered it
+    first = json.loads(chain.artifact("predictions.json").read_text())[0]
+    assert "<script" not in page
+    assert html.escape(first["prompt"]) in page
+
+
+def test_the_evaluate_run_keeps_the_reports_and_predictions(
+    chain: Chain, ctx: StageContext, tmp_path: Path
+) -> None:
+    run_id = chain_evaluate_run(ctx).info.run_id
+    assert artifacts(ctx, run_id) == {"report.html", "report.md", "predictions.json"}
+    client = ctx.tracker.client
+    got = Path(client.download_artifacts(run_id, "report.html", str(tmp_path)))
+    assert got.read_text() == chain.artifact("report.html").read_text()  # the KFP one
+    md = Path(client.download_artifacts(run_id, "report.md", str(tmp_path)))
+    assert md.read_text() == chain.results["evaluate"].report
+    pred = Path(client.download_artifacts(run_id, "predictions.json", str(tmp_path)))
+    assert json.loads(pred.read_text()) == json.loads(
+        chain.artifact("predictions.json").read_text()
+    )
+
+
+def test_without_a_train_run_the_report_says_so(chain: Chain, ctx: StageContext) -> None:
+    side = side_context(ctx, "no-train")
+    out = chain.root / "no-train.html"
+    evaluate.run(
+        side,
+        chain.artifact("model"),
+        chain.artifact("dataset"),
+        str(out.with_suffix(".json")),
+        str(out),
+    )
+    page = out.read_text()
+    assert "<svg" not in page
+    assert "No training loss history: this pipeline run has no train stage run" in page

@@ -1,12 +1,19 @@
-"""stages.prepare_data: the Dataset artifact, its counts as metrics, the fingerprint tag."""
+"""stages.prepare_data: the Dataset artifact, its counts as metrics, the fingerprint tag, the
+MLflow dataset input, and the data_spec that is its KFP cache key."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
-from kubellm.stages import prepare_data
+import pytest
+
+from kubellm.config import PipelineConfig
+from kubellm.data.records import DataError
+from kubellm.stages.configs import data_spec
 from kubellm.stages.context import StageContext
-from stages.conftest import Chain, side_context
+from stages.conftest import Chain, prepare, side_context
 
 
 def test_counts_add_up_and_match_the_manifest(chain: Chain) -> None:
@@ -33,13 +40,76 @@ def test_mlflow_run_has_the_fingerprint(chain: Chain, ctx: StageContext) -> None
     assert run.info.status == "FINISHED"
 
 
+def test_the_dataset_is_an_mlflow_dataset_input_with_its_manifest(
+    chain: Chain, ctx: StageContext
+) -> None:
+    """mlflow.data lineage: the prepare run's input is the dataset (fingerprint as digest and
+    tag, the user's source, split sizes as profile); the manifest and the stage's report
+    are artifacts of the run."""
+    client = ctx.tracker.client
+    result = chain.results["prepare_data"]
+    run = client.get_run(ctx.stage_runs()["prepare_data"].info.run_id)
+    [given] = run.inputs.dataset_inputs
+    tags = {t.key: t.value for t in given.tags}
+    assert tags["mlflow.data.context"] == "prepared"
+    assert tags["kubellm.data_fingerprint"] == result.data_fingerprint
+    assert given.dataset.name == "tiny-stage-data"
+    assert given.dataset.digest == result.data_fingerprint[:10]
+    assert "synthetic" in given.dataset.source
+    profile = json.loads(given.dataset.profile)
+    assert profile["records"]["train"] == result.manifest["records"]["train"] > 0
+    assert profile["tokens"]["val"] == result.manifest["tokens"]["val"] > 0
+    logged = client.download_artifacts(run.info.run_id, "manifest.json", str(chain.root))
+    assert json.loads(Path(logged).read_text()) == result.manifest
+    report = client.download_artifacts(run.info.run_id, "report.md", str(chain.root))
+    assert Path(report).read_text() == result.report  # every stage keeps its report
+
+
+def _spec(**values: object) -> dict:
+    return json.loads(data_spec(PipelineConfig.model_validate({"platform": "local", **values})))
+
+
+def test_data_spec_is_the_data_and_nothing_run_specific() -> None:
+    """prepare_data's only input, hence its KFP cache key (KFP hashes a task's input values,
+    image and command: api/v2alpha1/cache_key.proto), must not move with training settings
+    or names, and must move with every data parameter."""
+    base = _spec(num_records=500)
+    assert _spec(num_records=500, train_steps=7, learning_rate=0.01, model_name="other") == base
+    assert _spec(num_records=500, experiment_name="nightly", gate_margin=0.1) == base
+    for change in ({"num_records": 501}, {"seq_len": 64}, {"seed": 3}, {"val_fraction": 0.2}):
+        assert _spec(**{"num_records": 500, **change}) != base, change
+
+
+def test_data_spec_changes_when_the_files_at_the_same_path_change(tmp_path: Path) -> None:
+    """New data under the same URI is a new cache key: a recurring run must not reuse the
+    dataset of last week's files."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.jsonl").write_text('{"text": "one"}\n')
+    first = _spec(data_source=str(src))
+    assert [f["file"] for f in first["source_stamp"]] == [str(src / "a.jsonl")]
+    assert _spec(data_source=str(src)) == first  # nothing changed: same key
+    (src / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')  # grown in place
+    grown = _spec(data_source=str(src))
+    assert grown != first
+    os.utime(src / "a.jsonl", (1, 1))  # same size, other mtime (a rewrite)
+    assert _spec(data_source=str(src)) != grown
+    (src / "b.jsonl").write_text('{"text": "three"}\n')  # a new file
+    assert len(_spec(data_source=str(src))["source_stamp"]) == 2
+
+
+def test_a_missing_source_fails_in_data_spec_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"missing-\*\.jsonl.*matches no file"):
+        _spec(data_source=str(tmp_path / "missing-*.jsonl"))
+
+
 def test_data_unchanged_since_the_champion_stops_the_run_unless_forced(
     chain: Chain, ctx: StageContext
 ) -> None:
     """The same parameters and sources give the same data fingerprint; when the champion was
     trained on it, prepare_data says "unchanged" (the DAG stops) unless force=true; other
     preparation parameters make other data."""
-    from kubellm.stages.prepare_data import CHANGED, TAG_UNCHANGED, UNCHANGED
+    from kubellm.stages.record_data import CHANGED, TAG_UNCHANGED, UNCHANGED
     from kubellm.tracking import CHAMPION, TAG_FINGERPRINT
 
     client, name = ctx.tracker.client, ctx.cfg.model_name
@@ -49,9 +119,9 @@ def test_data_unchanged_since_the_champion_stops_the_run_unless_forced(
     client.set_registered_model_alias(name, CHAMPION, version)
     try:
         same_ctx = side_context(ctx, "unchanged")
-        same = prepare_data.run(same_ctx, chain.root / "again")
-        forced = prepare_data.run(side_context(ctx, "forced", force=True), chain.root / "forced")
-        other = prepare_data.run(side_context(ctx, "other", seq_len=24), chain.root / "other")
+        same = prepare(same_ctx, chain.root / "again")
+        forced = prepare(side_context(ctx, "forced", force=True), chain.root / "forced")
+        other = prepare(side_context(ctx, "other", seq_len=24), chain.root / "other")
     finally:
         client.delete_registered_model_alias(name, CHAMPION)
     assert same.data_fingerprint == first.data_fingerprint

@@ -48,3 +48,33 @@ def test_stage_runs_left_running_by_a_killed_step_end_killed(tmp_path: Path) -> 
     assert run.info.status == "KILLED"
     assert "still RUNNING when the pipeline ended FAILED" in run.data.tags["kubellm.error"]
     assert tracker.client.get_run(parent).info.status == "FAILED"
+
+
+def test_a_run_that_stopped_early_shows_only_the_stages_that_ran(
+    chain: Chain, ctx: StageContext
+) -> None:
+    """Unchanged data: the run ends after prepare_data; the summary says why and has no
+    rows of "-" for the stages that never ran."""
+    from kubellm.stages.record_data import TAG_UNCHANGED
+    from kubellm.tracking import TAG_FINGERPRINT
+    from stages.conftest import side_context
+
+    skipped = side_context(ctx, "skipped")
+    verdict = "data unchanged since champion v1: training skipped (force=true retrains)"
+    for stage in ("preflight", "prepare_data"):
+        with skipped.tracker.stage(skipped.parent_run_id, stage) as run_id:
+            if stage == "preflight":
+                skipped.tracker.log(run_id, metrics={"allreduce_busbw_gbps": 1.5})
+            else:
+                skipped.tracker.log(
+                    run_id,
+                    metrics={"records_read": 600.0, "records_kept": 500.0},
+                    tags={TAG_UNCHANGED: verdict, TAG_FINGERPRINT: "ab" * 32},
+                )
+    report = summarize.run(chain.params, "skipped", "SUCCEEDED").report
+    assert "Data unchanged since champion v1: training skipped" in report
+    assert "| records read / kept | 600 / 500 |" in report
+    assert f"| data | {verdict} |" in report
+    for absent in ("best trial", "final train loss", "gate", "endpoint", "prompt -> answer"):
+        assert f"| {absent} |" not in report, absent
+    assert "| - |" not in report

@@ -32,6 +32,34 @@ def test_tuned_hyperparameters_reach_the_training_run(chain: Chain, ctx: StageCo
     assert int(params["steps"]) == 30
 
 
+def test_the_training_run_records_its_dataset_config_and_loss_curve(
+    chain: Chain, ctx: StageContext
+) -> None:
+    """The train run's lineage: the same MLflow dataset as the prepare run (MLflow links
+    them by name and digest), the resolved TrainConfig the job read, and the training loss
+    at every log_every step (30 steps, log_every 3: a curve, not one point)."""
+    from pathlib import Path
+
+    from kubellm.config import TrainConfig
+
+    client = ctx.tracker.client
+    runs = ctx.stage_runs()
+    train_run = client.get_run(runs["train"].info.run_id)
+    [prepared] = client.get_run(runs["prepare_data"].info.run_id).inputs.dataset_inputs
+    [used] = train_run.inputs.dataset_inputs
+    assert {t.key: t.value for t in used.tags}["mlflow.data.context"] == "training"
+    assert (used.dataset.name, used.dataset.digest) == (
+        prepared.dataset.name,
+        prepared.dataset.digest,
+    )
+    path = client.download_artifacts(train_run.info.run_id, "train_config.json", str(chain.root))
+    resolved = TrainConfig.model_validate_json(Path(path).read_text())
+    assert resolved.steps == 30 and resolved.mlflow_run_id == train_run.info.run_id
+    assert resolved.learning_rate == pytest.approx(chain.results["tune"].params["learning_rate"])
+    history = client.get_metric_history(train_run.info.run_id, "loss")
+    assert [m.step for m in history] == list(range(3, 31, 3))
+
+
 def test_invalid_hyperparameters_fail_naming_the_field(chain: Chain, ctx: StageContext) -> None:
     bad = json.dumps({"learning_rate": 5.0})
     with pytest.raises(ConfigError, match=r"invalid learning_rate=5\.0"):

@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from kubellm.backends import resolve
 from kubellm.config import PipelineConfig
+from kubellm.registry import download_hf_dir
 from kubellm.stages import register
 from kubellm.stages.context import StageContext, open_tracker
 from kubellm.tracking import TAG_KFP_RUN, TAG_PARENT, TAG_STAGE
@@ -139,9 +140,12 @@ def test_register_creates_versions_with_lineage_sqlite(
 ) -> None:
     first = _register_twice(local_cfg, tiny_model_dir, "kfp-reg")
     mv = first.tracker.client.get_model_version(local_cfg.model_name, "1")
-    stored = Path(local_cfg.runs_dir) / "mlartifacts" / mv.run_id / "artifacts" / "model"
-    assert (stored / "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()
-    assert (stored / "model.safetensors").is_file()
+    # an MLflow transformers model (MLmodel + model/ + components/tokenizer/), logged once
+    stored = Path(mv.source.removeprefix("file://"))
+    assert stored.is_relative_to(Path(local_cfg.runs_dir) / "mlartifacts" / "models")
+    weights = (stored / "model" / "model.safetensors").read_bytes()
+    assert weights == (tiny_model_dir / "model.safetensors").read_bytes()
+    assert (stored / "MLmodel").is_file()
 
 
 def test_register_against_a_real_mlflow_server(
@@ -154,15 +158,13 @@ def test_register_against_a_real_mlflow_server(
     client = MlflowClient(tracking_uri=mlflow_server.url)  # a fresh client, as a reader would
     mv = client.get_model_version(cfg.model_name, "1")
     assert mv.status == "READY"
-    local = Path(client.download_artifacts(mv.run_id, "model", str(tmp_path / "dl")))
-    assert (local / "config.json").read_bytes() == (tiny_model_dir / "config.json").read_bytes()
+    local = download_hf_dir(client, mv, tmp_path / "dl")
+    assert (local / "config.json").is_file() and (local / "tokenizer.json").is_file()
     assert (local / "model.safetensors").read_bytes() == (
         tiny_model_dir / "model.safetensors"
     ).read_bytes()
     # the server, not this process, stored them: proxied to --artifacts-destination
     uploaded = list(mlflow_server.artifacts.rglob("config.json"))
     assert len(uploaded) == 2, uploaded  # one per registered version
-    # and the run records the proxied location, not a path on this machine
-    assert client.get_run(mv.run_id).info.artifact_uri.startswith("mlflow-artifacts:"), (
-        client.get_run(mv.run_id).info.artifact_uri
-    )
+    # and the version records the proxied location, not a path on this machine
+    assert mv.source.startswith("mlflow-artifacts:"), mv.source

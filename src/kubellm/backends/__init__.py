@@ -88,7 +88,8 @@ class Backends:
     @cached_property
     def tracking(self) -> Tracking:
         uri = self.cfg.mlflow_tracking_uri
-        if self.local:
+        if self.local and not uri.startswith(("http://", "https://")):
+            # sqlite: artifacts beside it; a tracking server keeps (proxies) its own
             location = (Path(self.cfg.runs_dir) / "mlartifacts").resolve().as_uri()
             return Tracking(location, f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
         return Tracking(None, f"open {uri}")

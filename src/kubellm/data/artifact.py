@@ -3,7 +3,8 @@
 prepare_data writes the layout below (see kubellm.data.prepare); everything that reads it
 goes through these functions, so the contract has one home:
 
-    manifest.json               counts, tokens, seq_len, shard digests, source fingerprint
+    manifest.json               counts, tokens, seq_len, shard digests, source and data
+                                fingerprints
     train/*.parquet, val/*.parquet   packed rows: input_ids, loss_mask
     eval/examples.parquet       prompt, completion (held-out records that have them)
     tokenizer/                  Hugging Face tokenizer files
@@ -11,6 +12,7 @@ goes through these functions, so the contract has one home:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,27 @@ def load_manifest(dataset_dir: str | Path) -> dict[str, Any]:
 
 def tokenizer_dir(dataset_dir: str | Path) -> Path:
     return Path(dataset_dir) / TOKENIZER_DIR
+
+
+# Preparation parameters that change how a run goes, not what it makes.
+_NOT_DATA = ("progress_s", "batch_records")
+
+
+def data_fingerprint(
+    params: dict[str, Any], source_fingerprint: str, dataset_dir: str | Path
+) -> str:
+    """What a dataset is made of: the source records (their fingerprint), the preparation
+    parameters and the tokenizer's files. Equal fingerprints, equal datasets; recurring
+    runs compare it with the champion's to skip retraining on data they already saw."""
+    h = hashlib.sha256()
+    h.update(source_fingerprint.encode())
+    settings = {k: v for k, v in params.items() if k not in _NOT_DATA}
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    tok = tokenizer_dir(dataset_dir)
+    for f in sorted(p for p in tok.rglob("*") if p.is_file()):
+        h.update(f.relative_to(tok).as_posix().encode())
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 def load_eval_examples(dataset_dir: str | Path, limit: int | None = None) -> list[dict[str, Any]]:

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kubellm.config import DataFormat, OnError, Packing, Template, TextMode
-from kubellm.data.artifact import MANIFEST
+from kubellm.data.artifact import MANIFEST, data_fingerprint
 from kubellm.data.minhash import NearDuplicates
 from kubellm.data.packing import (
     BestFitPacker,
@@ -617,6 +617,9 @@ def _prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
         "source_files": {"count": len(files), "names": files[:MAX_LISTED_FILES]},
         "seconds": round(elapsed, 3),
     }
+    manifest["data_fingerprint"] = data_fingerprint(
+        manifest["params"], manifest["source_fingerprint"], out
+    )
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     print(
         f"prepare: read={counts.read} kept={counts.kept} "

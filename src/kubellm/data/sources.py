@@ -110,6 +110,43 @@ def source_files(source: str) -> list[str]:
     return [f.name for part in _parts(source) if part != SYNTHETIC for f in _resolve(part)]
 
 
+# What a filesystem's `info` says about a file's version: size plus whichever of these it
+# has (local: mtime; S3: ETag/LastModified; GCS: md5Hash/generation/updated; HF: last_commit).
+_VERSION_KEYS = (
+    "size",
+    "mtime",
+    "ETag",
+    "etag",
+    "LastModified",
+    "last_modified",
+    "md5Hash",
+    "generation",
+    "updated",
+    "last_commit",
+    "blob_id",
+)
+
+
+def source_stamp(source: str) -> list[dict[str, str]]:
+    """Every file of `source` with its version as its filesystem reports it (size and
+    mtime, ETag or generation), without reading any data: cheap enough for preflight, and
+    different as soon as a file is replaced, grown or added under the same URI. This is what
+    lets a pipeline cache prepare_data by its parameters and still notice new data.
+
+    Raises DataError for a part that matches no file, as reading would.
+    """
+    stamp = []
+    for part in _parts(source):
+        if part == SYNTHETIC:
+            stamp.append({"file": SYNTHETIC})
+            continue
+        for f in _resolve(part):
+            info = f.fs.info(f.path)
+            version = {k: str(info[k]) for k in _VERSION_KEYS if info.get(k) is not None}
+            stamp.append({"file": f.name, **version})
+    return stamp
+
+
 def read_records(source: str, opts: SourceOptions, counts: Counts) -> Iterator[Record]:
     """Stream the records of `source`, counting each in `counts.read` and every drop by reason.
 

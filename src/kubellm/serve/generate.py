@@ -15,18 +15,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kubellm.data.tokenizer import load_tokenizer
+from kubellm.serve.layout import model_paths
 
 
 def load_model(model_dir: str | Path, trust_remote_code: bool = False) -> tuple[Any, Any]:
-    """Load a Hugging Face model directory (safetensors only) and its tokenizer, eval mode."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
+    """Load a model directory (safetensors only) and its tokenizer, eval mode: a Hugging Face
+    directory or a registered MLflow transformers model (kubellm.serve.layout)."""
+    weights, tokenizer = model_paths(model_dir)
+    if not (weights / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a model directory: config.json is missing")
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), use_safetensors=True, trust_remote_code=trust_remote_code
+        str(weights), use_safetensors=True, trust_remote_code=trust_remote_code
     )
     model.eval()
-    return model, load_tokenizer(path, trust_remote_code=trust_remote_code)
+    return model, load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
 
 
 @torch.no_grad()

@@ -6,11 +6,14 @@ functions, so a parameter means the same thing everywhere.
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kubellm.config import LoraSettings, ModelConfig, PipelineConfig, TrainConfig
 from kubellm.data.prepare import PrepareParams
+from kubellm.data.sources import source_stamp
 
 
 def prepare_params(cfg: PipelineConfig) -> PrepareParams:
@@ -32,6 +35,24 @@ def prepare_params(cfg: PipelineConfig) -> PrepareParams:
         vocab_size=cfg.vocab_size,
         seq_len=cfg.seq_len,
     )
+
+
+def data_spec(cfg: PipelineConfig) -> str:
+    """prepare_data's one input, and so its KFP cache key (the key is the task's input
+    values, image and command): the data parameters plus a stamp of every source file
+    (size, mtime or ETag). Two runs with the same data reuse the dataset on a cluster;
+    new files at the same URI make a new key. Nothing run-specific (no run id, no
+    training setting) belongs here, or nothing would ever be reused."""
+    params = asdict(prepare_params(cfg))
+    spec = {"params": params, "source_stamp": source_stamp(cfg.data_source)}
+    if params["tokenizer"] and Path(params["tokenizer"]).exists():  # a local tokenizer folder
+        spec["tokenizer_stamp"] = source_stamp(params["tokenizer"])
+    return json.dumps(spec, sort_keys=True)
+
+
+def spec_params(spec: str) -> PrepareParams:
+    """The PrepareParams a data_spec carries."""
+    return PrepareParams(**json.loads(spec)["params"])
 
 
 def model_shape(cfg: PipelineConfig) -> ModelConfig:

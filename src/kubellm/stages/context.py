@@ -76,6 +76,7 @@ class StageContext:
     kfp_run_id: str
     backends: Backends = field(init=False, repr=False, compare=False)
     _started: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
+    _runs: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", select(self.cfg, self.kfp_run_id))
@@ -91,10 +92,15 @@ class StageContext:
         print(f"kubellm: {name} started", flush=True)
         self._started[name] = time.monotonic()
         with self.tracker.stage(self.parent_run_id, name) as run_id:
+            self._runs[name] = run_id
             yield run_id
 
     def finish(self, name: str, result: _R) -> _R:
-        """Print the line a person sees when the stage ends (`kubellm run` shows it)."""
+        """Print the line a person sees when the stage ends (`kubellm run` shows it), and
+        keep the stage's report as `report.md` of its MLflow run (the same text as its KFP
+        Markdown artifact)."""
+        if result.report and name in self._runs:
+            self.tracker.client.log_text(self._runs[name], result.report, "report.md")
         seconds = time.monotonic() - self._started.get(name, time.monotonic())
         shown = f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
         print(f"kubellm: {name} done in {shown}s: {result.headline}", flush=True)

@@ -1,18 +1,32 @@
-"""The deploy stage: serve the registered model and wait until it answers readiness."""
+"""The deploy stage: serve a registered model version, fetched from the registry, and wait
+until it answers readiness.
+
+What is served is the registry's copy of the version (kubellm.registry), never a run's
+workspace folder, so `kubellm promote` (a rollback) deploys an older version by the same
+code: `registry_model_uri` then `serve_request` then the platform's Server.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kubellm.backends.base import ServeRequest
+from mlflow.tracking import MlflowClient
+
+from kubellm.backends.base import ServeRequest, Workspace
 from kubellm.config import PipelineConfig
+from kubellm.registry import download_hf_dir, get_version, is_object_store
 from kubellm.stages.context import StageContext, StageResult, markdown_table
+
+# The model version remembers where it was last served from (promote on a cluster reuses it).
+TAG_SERVING_URI = "kubellm.serving_uri"
 
 
 @dataclass
 class Result(StageResult):
     endpoint: str = ""
+    model_uri: str = ""  # what the server was given
 
 
 def serve_request(cfg: PipelineConfig, model_uri: str, kfp_run_id: str) -> ServeRequest:
@@ -27,16 +41,45 @@ def serve_request(cfg: PipelineConfig, model_uri: str, kfp_run_id: str) -> Serve
     )
 
 
+def registry_model_uri(ws: Workspace, client: MlflowClient, mv: Any) -> str:
+    """Where the server reads model version `mv` from.
+
+    With a workspace PVC (the server runs in the cluster), a version stored in an object store
+    (s3://, gs://) is given to KServe as is: its storage initializer copies the MLflow model
+    directory to /mnt/models and `kubellm serve` loads that layout. Any other store
+    (mlflow-artifacts:/ behind the tracking server, file://) is downloaded here, as a Hugging
+    Face directory, into the workspace (`serve/v<version>`), and served from there: a local
+    path, or pvc://<claim>/... on a cluster.
+    """
+    source = str(mv.source)
+    if ws.pvc_name and is_object_store(source):
+        return source
+    path = download_hf_dir(client, mv, ws.dir("serve", f"v{mv.version}"))
+    return ws.model_uri(path)
+
+
 def run(ctx: StageContext, model_dir: str | Path, version: str) -> Result:
+    """Serve version `version` of cfg.model_name as the registry holds it.
+
+    `model_dir`, the train stage's KFP Model artifact, is not served (the registered copy
+    is; the two hold the same weights, register logged the one from the other); it stays an
+    input so the deploy step keeps its place after train in the DAG and its artifact lineage.
+    """
     cfg = ctx.cfg
+    client = ctx.tracker.client
     with ctx.stage("deploy") as run_id:
-        ws = ctx.backends.workspace
-        shared = ws.share(model_dir, "serve", f"v{version}")
-        request = serve_request(cfg, ws.model_uri(shared), ctx.kfp_run_id)
+        mv = get_version(client, cfg.model_name, version)
+        model_uri = registry_model_uri(ctx.backends.workspace, client, mv)
+        request = serve_request(cfg, model_uri, ctx.kfp_run_id)
         endpoint = ctx.backends.server.deploy(request)
+        client.set_model_version_tag(cfg.model_name, str(mv.version), TAG_SERVING_URI, model_uri)
         ctx.tracker.log(
             run_id,
-            params={"model_version": version, "model_uri": request.model_uri},
+            params={
+                "model_version": version,
+                "model_uri": request.model_uri,
+                "registry_source": str(mv.source),
+            },
             tags={"kubellm.endpoint": endpoint.url},
         )
     return ctx.finish(
@@ -44,9 +87,15 @@ def run(ctx: StageContext, model_dir: str | Path, version: str) -> Result:
         Result(
             report=markdown_table(
                 "Deployment",
-                [("model", f"{cfg.model_name} v{version}"), ("endpoint", endpoint.url)],
+                [
+                    ("model", f"{cfg.model_name} v{version}"),
+                    ("from the registry", str(mv.source)),
+                    ("served from", request.model_uri),
+                    ("endpoint", endpoint.url),
+                ],
             ),
             headline=f"{cfg.model_name} v{version} ready at {endpoint.url}",
             endpoint=endpoint.url,
+            model_uri=request.model_uri,
         ),
     )

@@ -1,15 +1,23 @@
 """The evaluate stage: the candidate's held-out metrics, the champion's on the same data (the
-same code, the champion's weights from the registry), and the gate (kubellm.evaluate.gate)."""
+same code, the champion's weights from the registry), and the gate (kubellm.evaluate.gate).
+
+Its report is written twice, Markdown and a self-contained HTML page (kubellm.evaluate.report:
+the decision with its reasons, candidate vs champion, the training loss curve read back from
+the train stage's MLflow run, sample generations of both). KFP's UI shows them as the
+component's artifacts; the evaluate MLflow run keeps them, with both models' predictions, so
+the registry's lineage leads to the evidence behind a promotion without KFP."""
 
 from __future__ import annotations
 
+import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kubellm.evaluate.gate import PROMOTE, REJECT, Champion, decide
 from kubellm.evaluate.metrics import evaluate
+from kubellm.evaluate.report import html_report, pair_samples
 from kubellm.stages.context import StageContext, StageResult, markdown_table, write_json
 
 __all__ = ["PROMOTE", "REJECT", "Result", "run"]
@@ -33,37 +41,80 @@ def _same_tokenizer(model_dir: Path, dataset_dir: Path) -> bool:
     return bool(theirs == load_tokenizer(tokenizer_dir(dataset_dir)).get_vocab())
 
 
-def champion_on(ctx: StageContext, dataset_dir: Path) -> tuple[Champion | None, str]:
-    """The current champion measured on this run's evaluation data; (None, why) without one."""
+@dataclass(frozen=True)
+class ChampionScore:
+    """The champion as the gate sees it, and what it generated (the report shows both)."""
+
+    champion: Champion | None
+    about: str  # "champion vN", or why there is none
+    predictions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def champion_on(ctx: StageContext, dataset_dir: Path) -> ChampionScore:
+    """The current champion measured on this run's evaluation data; without one, why."""
     mv = ctx.tracker.champion(ctx.cfg.model_name)
     if mv is None:
-        return None, "no champion yet"
-    import mlflow.artifacts
+        return ChampionScore(None, "no champion yet")
+    from kubellm.registry import download_hf_dir
 
     with tempfile.TemporaryDirectory(prefix="champion-") as tmp:
-        local = Path(
-            mlflow.artifacts.download_artifacts(
-                artifact_uri=mv.source, dst_path=tmp, tracking_uri=ctx.cfg.mlflow_tracking_uri
-            )
-        )
+        # a Hugging Face directory whichever layout the version was registered in
+        local = download_hf_dir(ctx.tracker.client, mv, Path(tmp) / "model")
         scored: dict[str, Any] = evaluate(local, dataset_dir)
         metrics = dict(scored["metrics"])
         if not _same_tokenizer(local, dataset_dir):
             # its loss on another tokenizer's ids is meaningless; exact match is text
             metrics.pop("eval_loss", None)
             metrics.pop("perplexity", None)
-    return Champion(str(mv.version), metrics), f"champion v{mv.version}"
+    return ChampionScore(
+        Champion(str(mv.version), metrics), f"champion v{mv.version}", scored["predictions"]
+    )
+
+
+LOSS_KEYS = ("loss", "train_loss")  # the trainer's loss every log_every steps; its final one
+
+
+@dataclass(frozen=True)
+class LossCurve:
+    """The training loss of this pipeline run as the trainer logged it to MLflow."""
+
+    name: str
+    points: list[tuple[float, float]]  # (step, value), in step order
+    train_run: str = ""  # its MLflow run id ("" without one)
+    missing: str = ""  # why there are no points
+
+
+def training_loss(ctx: StageContext) -> LossCurve:
+    """The curve of the train stage's run (a sibling of this stage's run): every log_every
+    steps, in step order (a resumed run logs its steps again, the newest last)."""
+    train = ctx.stage_runs().get("train")
+    if train is None:
+        return LossCurve(LOSS_KEYS[0], [], missing="this pipeline run has no train stage run")
+    run_id = str(train.info.run_id)
+    for key in LOSS_KEYS:
+        history = ctx.tracker.client.get_metric_history(run_id, key)
+        if history:
+            ordered = sorted(history, key=lambda m: (m.step, m.timestamp))
+            return LossCurve(key, [(float(m.step), float(m.value)) for m in ordered], run_id)
+    return LossCurve(LOSS_KEYS[0], [], run_id, f"its train run {run_id} logged none")
 
 
 def run(
-    ctx: StageContext, model_dir: str | Path, dataset_dir: str | Path, predictions_path: str
+    ctx: StageContext,
+    model_dir: str | Path,
+    dataset_dir: str | Path,
+    predictions_path: str,
+    html_path: str | None = None,
 ) -> Result:
-    """Metrics and the gate decision; writes predictions for the smoke test."""
+    """Metrics and the gate decision; writes predictions for the smoke test and the HTML
+    report (`html_path`, KFP's Output[HTML]); the evaluate MLflow run keeps both reports
+    and the predictions of both models as artifacts."""
     cfg = ctx.cfg
     with ctx.stage("evaluate") as run_id:
         scored = evaluate(model_dir, dataset_dir)
         metrics: dict[str, float] = dict(scored["metrics"])
-        champion, about = champion_on(ctx, Path(dataset_dir))
+        rival = champion_on(ctx, Path(dataset_dir))
+        champion, about = rival.champion, rival.about
         gate = decide(
             metrics,
             champion,
@@ -87,17 +138,57 @@ def run(
                 "kubellm.champion": about,
             },
         )
+        report = markdown_table(
+            "Evaluation",
+            list(logged.items()),
+            f"Gate: **{gate.decision}** against {about} ({gate.reason})",
+        )
+        curve = training_loss(ctx)
+        page = html_report(
+            candidate=metrics,
+            champion=champion,
+            gate=gate,
+            loss=curve.points,
+            loss_name=curve.name,
+            no_loss=curve.missing,
+            samples=pair_samples(scored["predictions"], rival.predictions if champion else None),
+            total_examples=len(scored["predictions"]),
+            settings={
+                "gate_metric": cfg.gate_metric,
+                "gate_min_accuracy": cfg.gate_min_accuracy,
+                "gate_max_perplexity": cfg.gate_max_perplexity,
+                "gate_margin": cfg.gate_margin,
+                "gate_guards": json.dumps(cfg.gate_guards, sort_keys=True),
+            },
+            about={
+                "model": cfg.model_name,
+                "KFP run": ctx.kfp_run_id,
+                "MLflow evaluate run": run_id,
+                "MLflow train run": curve.train_run or "—",
+            },
+            no_champion=about,
+        )
+        if html_path:
+            Path(html_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(html_path).write_text(page)
+        # artifacts of the evaluate run (its report.md is logged by ctx.finish)
+        files = {
+            "report.html": page,
+            "predictions.json": json.dumps(scored["predictions"], indent=2, sort_keys=True),
+        }
+        if champion is not None:
+            files["champion_predictions.json"] = json.dumps(
+                rival.predictions, indent=2, sort_keys=True
+            )
+        for name, text in files.items():
+            ctx.tracker.client.log_text(run_id, text, name)
     headline_value = metrics.get(gate.metric)
     shown = f"{gate.metric} {headline_value:.3f}" if headline_value is not None else gate.metric
     return ctx.finish(
         "evaluate",
         Result(
             metrics=logged,
-            report=markdown_table(
-                "Evaluation",
-                list(logged.items()),
-                f"Gate: **{gate.decision}** against {about} ({gate.reason})",
-            ),
+            report=report,
             headline=f"eval_loss {metrics['eval_loss']:.4g}, {shown}; gate {gate.decision}",
             decision=gate.decision,
             reason=gate.reason,

@@ -8,6 +8,7 @@ from typing import Any
 from kubellm import backends
 from kubellm.backends.base import TrainJob
 from kubellm.config import PipelineConfig, pipeline_config
+from kubellm.stages.configs import data_spec
 from kubellm.stages.context import (
     JobPlan,
     StageContext,
@@ -21,6 +22,7 @@ from kubellm.stages.context import (
 class Result(StageResult):
     config: str = ""  # the resolved PipelineConfig as JSON: every later stage's input
     parent_run_id: str = ""
+    data_spec: str = ""  # prepare_data's input (its cache key): see configs.data_spec
 
 
 def fabric_args(cfg: PipelineConfig) -> list[str]:
@@ -52,6 +54,7 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
         parent = tracker.start_parent(f"{cfg.model_name}-{kfp_run_id}", cfg.model_dump())
     ctx = StageContext(cfg, tracker, parent, kfp_run_id)
     with ctx.stage("preflight") as run_id:
+        spec = data_spec(cfg)  # lists the data source: a wrong path fails here, in seconds
         job = ctx.backends.trainer.run(fabric_job(ctx.plan))
         metrics = {k: v for k, v in job.metrics.items() if k.startswith("allreduce")}
         tracker.log(
@@ -78,5 +81,6 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
             headline=f"config valid; all-reduce {busbw:.3g} GB/s; MLflow parent run {parent}",
             config=cfg.model_dump_json(),
             parent_run_id=parent,
+            data_spec=spec,
         ),
     )

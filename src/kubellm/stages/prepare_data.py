@@ -1,27 +1,25 @@
-"""The prepare_data stage: build the Dataset artifact, log its counts, and say whether the
-data differs from what the current champion was trained on (a recurring run with nothing
-new stops here instead of retraining on the same data)."""
+"""The prepare_data stage: the data_spec (data parameters and source file versions, made by
+preflight) to the Dataset artifact.
+
+It takes nothing run-specific, so two runs on the same data have the same KFP cache key and
+a cluster reuses the dataset instead of preparing it again. What needs the run (its MLflow
+lineage, the comparison with the champion) is the next stage, record_data, which never
+caches.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubellm.data.artifact import tokenizer_dir
-from kubellm.data.prepare import PrepareParams, prepare
-from kubellm.stages.configs import prepare_params
-from kubellm.stages.context import StageContext, StageResult, markdown_table
-from kubellm.tracking import TAG_FINGERPRINT
+from kubellm.data.prepare import prepare
+from kubellm.stages.configs import spec_params
+from kubellm.stages.context import StageResult, markdown_table
 
 CHANGED = "changed"
 UNCHANGED = "unchanged"
-TAG_SOURCE_FINGERPRINT = "kubellm.source_fingerprint"
-TAG_UNCHANGED = "kubellm.data_unchanged"
-# How the run goes, not what it makes: not part of the data's identity.
-_NOT_DATA = ("progress_s", "batch_records")
 
 
 @dataclass
@@ -35,85 +33,56 @@ class Result(StageResult):
         return str(self.manifest.get("source_fingerprint", ""))
 
 
-def data_fingerprint(params: PrepareParams, manifest: dict[str, Any], out_dir: Path) -> str:
-    """What the dataset is made of: the source records (their fingerprint), the preparation
-    parameters and the tokenizer's files. Equal fingerprints, equal datasets."""
-    h = hashlib.sha256()
-    h.update(manifest["source_fingerprint"].encode())
-    settings = {k: v for k, v in asdict(params).items() if k not in _NOT_DATA}
-    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    tok = tokenizer_dir(out_dir)
-    for f in sorted(p for p in tok.rglob("*") if p.is_file()):
-        h.update(f.relative_to(tok).as_posix().encode())
-        h.update(hashlib.sha256(f.read_bytes()).digest())
-    return h.hexdigest()
+def metrics_of(manifest: dict[str, Any]) -> dict[str, float]:
+    rec, tokens = manifest["records"], manifest["tokens"]
+    return {
+        "records_read": rec["read"],
+        "records_kept": rec["kept"],
+        "records_train": rec["train"],
+        "records_val": rec["val"],
+        "tokens_train": tokens["train"],
+        "tokens_val": tokens["val"],
+        **{f"dropped_{k}": v for k, v in rec["dropped"].items()},
+    }
 
 
-def unchanged_since(ctx: StageContext, fingerprint: str) -> str:
-    """'champion vN' when the champion was trained on data with this fingerprint, else ''."""
-    mv = ctx.tracker.champion(ctx.cfg.model_name)
-    if mv is None:
-        return ""
-    same = (mv.tags or {}).get(TAG_FINGERPRINT) == fingerprint
-    return f"champion v{mv.version}" if same else ""
-
-
-def run(ctx: StageContext, out_dir: str | Path) -> Result:
-    params = prepare_params(ctx.cfg)
-    with ctx.stage("prepare_data") as run_id:
-        manifest = prepare(params, out_dir)
-        fingerprint = data_fingerprint(params, manifest, Path(out_dir))
-        since = unchanged_since(ctx, fingerprint)
-        state = UNCHANGED if since and not ctx.cfg.force else CHANGED
-        verdict = (
-            f"data unchanged since {since}: training skipped (force=true retrains)"
-            if state == UNCHANGED
-            else (f"data unchanged since {since}; force=true: retraining" if since else "")
-        )
-        rec, tokens = manifest["records"], manifest["tokens"]
-        metrics = {
-            "records_read": rec["read"],
-            "records_kept": rec["kept"],
-            "records_train": rec["train"],
-            "records_val": rec["val"],
-            "tokens_train": tokens["train"],
-            "tokens_val": tokens["val"],
-            **{f"dropped_{k}": v for k, v in rec["dropped"].items()},
-        }
-        ctx.tracker.log(
-            run_id,
-            metrics=metrics,
-            params=vars(params),
-            tags={
-                TAG_FINGERPRINT: fingerprint,
-                TAG_SOURCE_FINGERPRINT: manifest["source_fingerprint"],
-                **({TAG_UNCHANGED: verdict} if verdict else {}),
-            },
-        )
-    if verdict:  # on the pipeline run too: what the MLflow UI shows first
-        ctx.tracker.log(ctx.parent_run_id, tags={TAG_UNCHANGED: verdict})
+def report_of(manifest: dict[str, Any], verdict: str = "") -> str:
+    rec, tokens = manifest["records"], manifest["tokens"]
     dropped = [(f"dropped: {k}", v) for k, v in sorted(rec["dropped"].items())]
-    return ctx.finish(
-        "prepare_data",
-        Result(
-            metrics={k: float(v) for k, v in metrics.items()},
-            report=markdown_table(
-                "Prepared data",
-                [
-                    ("records read / kept", f"{rec['read']} / {rec['kept']}"),
-                    ("records train / val", f"{rec['train']} / {rec['val']}"),
-                    ("tokens train / val", f"{tokens['train']} / {tokens['val']}"),
-                    *dropped,
-                    ("data fingerprint", fingerprint),
-                    ("source fingerprint", manifest["source_fingerprint"]),
-                ],
-                verdict,
-            ),
-            headline=f"{rec['kept']}/{rec['read']} records kept, "
-            f"{tokens['train']} train tokens, fingerprint {fingerprint[:12]}"
-            + (f"; {verdict}" if verdict else ""),
-            manifest=manifest,
-            data_fingerprint=fingerprint,
-            data_state=state,
-        ),
+    return markdown_table(
+        "Prepared data",
+        [
+            ("records read / kept", f"{rec['read']} / {rec['kept']}"),
+            ("records train / val", f"{rec['train']} / {rec['val']}"),
+            ("tokens train / val", f"{tokens['train']} / {tokens['val']}"),
+            *dropped,
+            ("data fingerprint", manifest["data_fingerprint"]),
+            ("source fingerprint", manifest["source_fingerprint"]),
+        ],
+        verdict,
     )
+
+
+def headline_of(manifest: dict[str, Any]) -> str:
+    rec, tokens = manifest["records"], manifest["tokens"]
+    return (
+        f"{rec['kept']}/{rec['read']} records kept, {tokens['train']} train tokens, "
+        f"fingerprint {manifest['data_fingerprint'][:12]}"
+    )
+
+
+def run(spec: str, out_dir: str | Path) -> Result:
+    """The Dataset artifact from a data_spec (configs.data_spec); no tracking, no run id."""
+    print("kubellm: prepare_data: building the dataset", flush=True)
+    t0 = time.monotonic()
+    manifest = prepare(spec_params(spec), out_dir)
+    result = Result(
+        metrics={k: float(v) for k, v in metrics_of(manifest).items()},
+        report=report_of(manifest),
+        headline=headline_of(manifest),
+        manifest=manifest,
+        data_fingerprint=manifest["data_fingerprint"],
+    )
+    seconds = time.monotonic() - t0
+    print(f"kubellm: prepare_data: built in {seconds:.1f}s: {result.headline}", flush=True)
+    return result

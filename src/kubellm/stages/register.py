@@ -1,19 +1,32 @@
-"""The register stage: an MLflow model version with its lineage, alias `challenger`."""
+"""The register stage: the model logged once as an MLflow transformers model (kubellm.registry
+describes the layout) and registered as a new version with its lineage, alias `challenger`.
+
+Serving, promotion and the champion's evaluation load that version from the registry, never
+from a run's workspace folder.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlflow.exceptions import MlflowException
-
+from kubellm import __version__
+from kubellm.registry import log_transformers_model, register_version
 from kubellm.stages.context import StageContext, StageResult, markdown_table
 from kubellm.tracking import CHALLENGER, TAG_FINGERPRINT, TAG_KFP_RUN
+
+# The MLflow model's input example: any prompt is valid input; this is the default corpus's.
+INPUT_EXAMPLE = "12+7="
+# The kubellm release whose pipeline made the version (KFP hands a step no pipeline-version
+# id: its placeholders name the run, the task and the job, not the pipeline version).
+TAG_KUBELLM_VERSION = "kubellm.version"
 
 
 @dataclass
 class Result(StageResult):
     version: str = ""
+    model_id: str = ""  # the MLflow LoggedModel (models:/<model_id>)
+    source: str = ""  # the version's artifact: where serving fetches it
 
 
 def lineage_tags(ctx: StageContext) -> dict[str, str]:
@@ -24,6 +37,7 @@ def lineage_tags(ctx: StageContext) -> dict[str, str]:
         "kubellm.pipeline_run": ctx.parent_run_id,
         "kubellm.trainer_image": ctx.cfg.trainer_image,
         "kubellm.serving_image": ctx.cfg.serving_image,
+        TAG_KUBELLM_VERSION: __version__,
     }
     if "prepare_data" in runs:
         tags[TAG_FINGERPRINT] = runs["prepare_data"].data.tags.get(TAG_FINGERPRINT, "")
@@ -42,30 +56,56 @@ def lineage_tags(ctx: StageContext) -> dict[str, str]:
     return tags
 
 
+def model_card(ctx: StageContext, tags: dict[str, str]) -> str:
+    """The card saved with the model (instead of one fetched from the Hub)."""
+    lines = [
+        "---",
+        "license: other",
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "---",
+        f"# {ctx.cfg.model_name}",
+        "",
+        f"A causal language model trained by kubellm pipeline run `{ctx.kfp_run_id}`.",
+        "",
+        *(f"- {k}: {v}" for k, v in sorted(tags.items()) if v),
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def run(ctx: StageContext, model_dir: str | Path) -> Result:
-    """Log the model directory as the run's artifacts and register it as a new version."""
+    """Log the model once as an MLflow model under this stage's run and register it."""
     client = ctx.tracker.client
     name = ctx.cfg.model_name
     with ctx.stage("register") as run_id:
-        client.log_artifacts(run_id, str(model_dir), "model")
-        try:
-            client.create_registered_model(name, description="kubellm causal LM")
-        except MlflowException as err:
-            if err.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-        source = f"{client.get_run(run_id).info.artifact_uri}/model"
         tags = lineage_tags(ctx)
-        mv = client.create_model_version(name, source, run_id=run_id, tags=tags)
+        logged = log_transformers_model(
+            client,
+            ctx.tracker.experiment_id,
+            run_id,
+            model_dir,
+            input_example=INPUT_EXAMPLE,
+            card_text=model_card(ctx, tags),
+            tags={TAG_KFP_RUN: ctx.kfp_run_id},
+        )
+        mv = register_version(client, name, logged, run_id, tags)
         client.set_registered_model_alias(name, CHALLENGER, mv.version)
-        ctx.tracker.log(run_id, tags={"kubellm.model_version": mv.version, **tags})
+        ctx.tracker.log(
+            run_id,
+            tags={"kubellm.model_version": mv.version, "kubellm.model_id": logged.model_id, **tags},
+        )
     version = str(mv.version)
+    rows = [("name", name), ("version", version), ("model id", logged.model_id)]
     return ctx.finish(
         "register",
         Result(
             report=markdown_table(
-                "Registered model", [("name", name), ("version", version), *tags.items()]
+                "Registered model", [*rows, ("source", mv.source), *tags.items()]
             ),
-            headline=f"{name} version {version} (alias challenger)",
+            headline=f"{name} version {version} (alias challenger; models:/{logged.model_id})",
             version=version,
+            model_id=logged.model_id,
+            source=str(mv.source),
         ),
     )

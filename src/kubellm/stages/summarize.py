@@ -12,7 +12,7 @@ from typing import Any
 from kubellm import backends
 from kubellm.config import pipeline_config
 from kubellm.stages.context import StageResult, fmt, open_tracker
-from kubellm.stages.prepare_data import TAG_UNCHANGED
+from kubellm.stages.record_data import TAG_UNCHANGED
 from kubellm.tracking import TAG_FINGERPRINT, TAG_STAGE, Tracker
 
 
@@ -42,48 +42,76 @@ def build_summary(
         run = runs.get(stage)
         return run.data.params.get(key, "-") if run else "-"
 
+    # (stage the row comes from, label, value): rows of stages that did not run are left
+    # out, so a run that stopped early (unchanged data, a rejected gate) reads cleanly
     rows = [
         (
+            "prepare_data",
             "records read / kept",
             f"{fmt(metric('prepare_data', 'records_read'))} / "
             f"{fmt(metric('prepare_data', 'records_kept'))}",
         ),
         (
+            "prepare_data",
             "tokens (train / val)",
             f"{fmt(metric('prepare_data', 'tokens_train'))} / "
             f"{fmt(metric('prepare_data', 'tokens_val'))}",
         ),
-        ("data fingerprint", tag("prepare_data", TAG_FINGERPRINT)[:16]),
-        ("fabric all-reduce busbw (GB/s)", fmt(metric("preflight", "allreduce_busbw_gbps"))),
+        ("prepare_data", "data fingerprint", tag("prepare_data", TAG_FINGERPRINT)[:16]),
         (
+            "preflight",
+            "fabric all-reduce busbw (GB/s)",
+            fmt(metric("preflight", "allreduce_busbw_gbps")),
+        ),
+        (
+            "tune",
             "best trial",
             f"{tag('tune', 'kubellm.best_trial')} (lr "
             f"{param('tune', 'best_learning_rate')}, eval_loss "
             f"{fmt(metric('tune', 'best_eval_loss'))})",
         ),
-        ("final train loss", fmt(metric("train", "train_loss"))),
+        ("train", "final train loss", fmt(metric("train", "train_loss"))),
         (
+            "evaluate",
             "eval loss / perplexity",
             f"{fmt(metric('evaluate', 'eval_loss'))} / {fmt(metric('evaluate', 'perplexity'))}",
         ),
-        ("held-out exact match", fmt(metric("evaluate", "exact_match"))),
-        ("gate", f"{tag('evaluate', 'kubellm.gate')} ({tag('evaluate', 'kubellm.gate_reason')})"),
-        ("model name / version", f"{model_name} / {tag('register', 'kubellm.model_version')}"),
-        ("endpoint", tag("deploy", "kubellm.endpoint")),
+        ("evaluate", "held-out exact match", fmt(metric("evaluate", "exact_match"))),
         (
+            "evaluate",
+            "gate",
+            f"{tag('evaluate', 'kubellm.gate')} ({tag('evaluate', 'kubellm.gate_reason')})",
+        ),
+        (
+            "register",
+            "model name / version",
+            f"{model_name} / {tag('register', 'kubellm.model_version')}",
+        ),
+        ("deploy", "endpoint", tag("deploy", "kubellm.endpoint")),
+        (
+            "smoke_test",
             "prompt -> answer",
             f"{param('smoke_test', 'prompt')!r} -> {param('smoke_test', 'answer')!r} "
             f"(expected {param('smoke_test', 'expected')!r})",
         ),
-        ("served answers = evaluated (share)", fmt(metric("smoke_test", "agreement"))),
-        ("served exact match (smoke prompts)", fmt(metric("smoke_test", "served_exact_match"))),
+        (
+            "smoke_test",
+            "served answers = evaluated (share)",
+            fmt(metric("smoke_test", "agreement")),
+        ),
+        (
+            "smoke_test",
+            "served exact match (smoke prompts)",
+            fmt(metric("smoke_test", "served_exact_match")),
+        ),
     ]
+    table = [(label, value) for stage, label, value in rows if stage in runs]
     unchanged = tag("prepare_data", TAG_UNCHANGED)
     if unchanged != "-":
-        rows.insert(3, ("data", unchanged))
+        table.insert(3, ("data", unchanged))
         if "training skipped" in unchanged:
             lines += [unchanged[0].upper() + unchanged[1:] + ".", ""]
-    lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in table]
     failed = [
         f"- {stage}: {run.data.tags.get('kubellm.error', '')}"
         for stage, run in runs.items()

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kubellm.data.artifact import load_manifest
 from kubellm.stages.configs import train_config
 from kubellm.stages.context import StageContext, StageResult, markdown_table
 
@@ -40,6 +41,10 @@ def run(ctx: StageContext, dataset_dir: str | Path, hparams_json: str, model_dir
             mlflow_run_id=run_id,
         ).with_values(hparams)
         ctx.tracker.log(run_id, params={**train_cfg.model_dump(exclude={"model"}), **hparams})
+        # what the job will read: the resolved config, and the dataset it trains on
+        ctx.tracker.client.log_dict(run_id, train_cfg.model_dump(mode="json"), "train_config.json")
+        manifest = load_manifest(dataset_dir)
+        ctx.tracker.log_dataset(run_id, cfg.model_name, manifest, "training")
         job = ctx.train_job("train", train_cfg)
         result = ctx.backends.trainer.run(job)
         ws.collect(out, model_dir)
