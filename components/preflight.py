@@ -42,6 +42,7 @@ def preflight(
     num_nodes: int,
     gate_min_accuracy: float,
     force: bool,
+    eval_data: str,
     gate_metric: str,
     gate_margin: float,
     gate_max_perplexity: float,

@@ -96,3 +96,12 @@ def test_training_parameters_reach_the_train_config(tmp_path) -> None:
     assert prepare_params(cfg).tokenizer == "org/model"  # the base model's tokenizer
     assert prepare_params(cfg.model_copy(update={"tokenizer": "tok"})).tokenizer == "tok"
     assert train_config(pipeline_config(), tmp_path, tmp_path).lora is None
+
+
+def test_gate_guards_name_measured_metrics_and_nonnegative_bounds() -> None:
+    guards = {"eval_loss": 0.05, "gen_latency_ms": 0.25, "gen_tokens_per_sec": 0.1}
+    assert pipeline_config({"gate_guards": guards}).gate_guards == guards
+    with pytest.raises(ConfigError, match=r"gate_guards keys must be among .*got bleu"):
+        pipeline_config({"gate_guards": {"bleu": 0.1}})
+    with pytest.raises(ConfigError, match=r"gate_guards bounds must be >= 0, got eval_loss"):
+        pipeline_config({"gate_guards": {"eval_loss": -0.1}})

@@ -37,6 +37,8 @@ GangScheduler = Literal["kueue", "volcano"]
 TuneAlgorithm = Literal["random", "tpe", "bayesianoptimization", "grid"]
 GateMetric = Literal["auto", "exact_match", "eval_loss", "perplexity"]
 GATE_METRICS = ("exact_match", "eval_loss", "perplexity")
+# what gate_guards may bound: the gate metrics and the generation speed evaluate measures
+GUARD_METRICS = (*GATE_METRICS, "gen_latency_ms", "gen_tokens_per_sec")
 
 Seed = Annotated[int, Field(ge=0)]
 Steps = Annotated[int, Field(ge=1)]
@@ -245,6 +247,12 @@ class PipelineConfig(_Strict):
         description="Train even when the data is unchanged since the champion's (same data "
         "fingerprint); false: such a run stops after prepare_data.",
     )
+    eval_data: str = Field(
+        "",
+        description="A JSONL (path or URI) of prompt/answer records: the task exact match is "
+        "measured on, for the candidate and the champion; empty: the held-out examples of "
+        "the data.",
+    )
     gate_metric: GateMetric = Field(
         "auto",
         description="What the gate compares: exact_match (higher is better), eval_loss or "
@@ -266,7 +274,8 @@ class PipelineConfig(_Strict):
     gate_guards: dict[str, float] = Field(
         default_factory=dict,
         description="Guard metrics and how much worse than the champion each may get, "
-        'relative: {"eval_loss": 0.05} (5 %). Keys: exact_match, eval_loss, perplexity.',
+        'relative: {"eval_loss": 0.05} (5 %). Keys: exact_match, eval_loss, perplexity, '
+        "gen_latency_ms, gen_tokens_per_sec.",
     )
     model_name: str = Field(
         "kubellm-tiny",
@@ -382,10 +391,10 @@ class PipelineConfig(_Strict):
     @field_validator("gate_guards")
     @classmethod
     def _known_guards(cls, value: dict[str, float]) -> dict[str, float]:
-        bad = sorted(k for k in value if k not in GATE_METRICS)
+        bad = sorted(k for k in value if k not in GUARD_METRICS)
         if bad:
             raise ValueError(
-                f"gate_guards keys must be among {', '.join(GATE_METRICS)}, got {', '.join(bad)}"
+                f"gate_guards keys must be among {', '.join(GUARD_METRICS)}, got {', '.join(bad)}"
             )
         negative = sorted(k for k, v in value.items() if v < 0)
         if negative:

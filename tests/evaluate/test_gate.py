@@ -68,6 +68,29 @@ def test_guards_bound_how_much_worse_the_other_metrics_may_get() -> None:
     assert better.decision == PROMOTE, better.reason  # improving a guard is always fine
 
 
+def test_generation_speed_guards_know_their_direction() -> None:
+    """Latency is worse when higher, throughput when lower."""
+    theirs = Champion("1", {**ARITH, "gen_latency_ms": 10.0, "gen_tokens_per_sec": 100.0})
+    slower = decide(
+        {**ARITH, "gen_latency_ms": 13.0, "gen_tokens_per_sec": 100.0},
+        theirs,
+        guards={"gen_latency_ms": 0.25},
+    )
+    assert slower.decision == REJECT and "+30.0% > 25.0% worse" in slower.reason
+    fewer = decide(
+        {**ARITH, "gen_latency_ms": 10.0, "gen_tokens_per_sec": 80.0},
+        theirs,
+        guards={"gen_tokens_per_sec": 0.1},
+    )
+    assert fewer.decision == REJECT and "+20.0% > 10.0% worse" in fewer.reason
+    faster = decide(
+        {**ARITH, "gen_latency_ms": 5.0, "gen_tokens_per_sec": 200.0},
+        theirs,
+        guards={"gen_latency_ms": 0.0, "gen_tokens_per_sec": 0.0},
+    )
+    assert faster.decision == PROMOTE, faster.reason
+
+
 def test_a_champion_that_cannot_be_measured_on_this_metric_leaves_the_absolute_bar() -> None:
     # e.g. a champion of another tokenizer: its loss on these token ids means nothing
     theirs = Champion("2", {"exact_match": 0.9})

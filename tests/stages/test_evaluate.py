@@ -205,3 +205,27 @@ def test_without_a_train_run_the_report_says_so(chain: Chain, ctx: StageContext)
     page = out.read_text()
     assert "<svg" not in page
     assert "No training loss history: this pipeline run has no train stage run" in page
+
+
+def test_a_user_task_from_eval_data_is_what_exact_match_measures(
+    chain: Chain, ctx: StageContext, tmp_path: Path
+) -> None:
+    """eval_data replaces the held-out examples: exact match is scored on the user's prompts
+    against the user's answers (under the names a JSONL task usually has), and generation
+    latency and tokens/s are measured on them; held-out loss still comes from the val split."""
+    held_out = json.loads(chain.artifact("predictions.json").read_text())
+    task = tmp_path / "task.jsonl"
+    mine = [{"question": p["prompt"], "answer": f"{p['completion']}!"} for p in held_out[:5]]
+    task.write_text("".join(json.dumps(m) + "\n" for m in mine))
+    side = side_context(ctx, "user-task", eval_data=str(task))
+    out = tmp_path / "out" / "p.json"
+    result = evaluate.run(side, chain.artifact("model"), chain.artifact("dataset"), str(out))
+    written = json.loads(out.read_text())
+    assert [(w["prompt"], w["completion"]) for w in written] == [
+        (m["question"], m["answer"]) for m in mine
+    ]
+    assert [w["correct"] for w in written] == [w["prediction"] == w["completion"] for w in written]
+    assert result.metrics["exact_match"] == sum(w["correct"] for w in written) / 5
+    assert result.metrics["eval_examples"] == 5
+    assert result.metrics["gen_latency_ms"] > 0 and result.metrics["gen_tokens_per_sec"] > 0
+    assert result.metrics["eval_loss"] == chain.results["evaluate"].metrics["eval_loss"]

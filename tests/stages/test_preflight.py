@@ -35,6 +35,18 @@ def test_invalid_parameter_fails_naming_it_before_any_run(tmp_path: Path) -> Non
     assert not (tmp_path / "runs").exists(), "a tracking store was created for an invalid config"
 
 
+def test_a_bad_eval_data_file_fails_preflight_naming_file_and_line(tmp_path: Path) -> None:
+    """The user's task is read in full before anything trains: a bad line found after an
+    hour of training would waste the hour."""
+    from kubellm.data.records import DataError
+
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    params = {**TINY, "runs_dir": str(tmp_path / "runs"), "eval_data": str(task)}
+    with pytest.raises(DataError, match=r"task\.jsonl:2: no 'completion' / 'answer'"):
+        preflight.run(params, "bad-task")
+
+
 @pytest.mark.parametrize(
     ("params", "args"),
     [

@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 
 PROMOTE = "promote"
 REJECT = "reject"
-HIGHER_IS_BETTER = {"exact_match": True, "eval_loss": False, "perplexity": False}
+HIGHER_IS_BETTER = {
+    "exact_match": True,
+    "eval_loss": False,
+    "perplexity": False,
+    # generation speed: possible guards, e.g. {"gen_latency_ms": 0.25}
+    "gen_latency_ms": False,
+    "gen_tokens_per_sec": True,
+}
 
 
 @dataclass(frozen=True)

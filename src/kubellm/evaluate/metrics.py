@@ -1,8 +1,11 @@
-"""Held-out evaluation: loss and perplexity on the val split, exact match on examples."""
+"""Held-out evaluation: loss and perplexity on the val split; exact match, generation latency
+and tokens/s on prompt/answer examples (the data's held-out ones, or a user task:
+kubellm.evaluate.tasks)."""
 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +31,30 @@ def heldout_loss(model: Any, dataset_dir: str | Path, batch_size: int = 64) -> f
 
 
 def evaluate(
-    model_dir: str | Path, dataset_dir: str | Path, max_examples: int = 256
+    model_dir: str | Path,
+    dataset_dir: str | Path,
+    max_examples: int = 256,
+    examples: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """Metrics and the predictions on held-out examples (the smoke test compares with them)."""
+    """Metrics and the predictions on prompt/answer examples (the smoke test compares with
+    them): `examples` (a user task) or else the dataset's held-out ones."""
     model, tokenizer = load_model(model_dir)
     loss = heldout_loss(model, dataset_dir)
     metrics: dict[str, Any] = {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
-    examples = load_eval_examples(dataset_dir, max_examples)
+    if examples is None:
+        examples = load_eval_examples(dataset_dir, max_examples)
+    examples = examples[:max_examples]
     predictions: list[dict[str, Any]] = []
     if examples:
         longest = max(len(tokenizer(e["completion"])["input_ids"]) for e in examples)
         max_new = longest + 2
+        began = time.perf_counter()
         answers = complete(model, tokenizer, [e["prompt"] for e in examples], max_new)
+        seconds = max(time.perf_counter() - began, 1e-9)
+        generated = sum(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
+        # one prompt at a time, greedy, cut at EOS: what a single request waits
+        metrics["gen_latency_ms"] = 1000.0 * seconds / len(examples)
+        metrics["gen_tokens_per_sec"] = generated / seconds
         for ex, answer in zip(examples, answers, strict=True):
             predictions.append(
                 {

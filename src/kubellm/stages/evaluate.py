@@ -18,6 +18,7 @@ from typing import Any
 from kubellm.evaluate.gate import PROMOTE, REJECT, Champion, decide
 from kubellm.evaluate.metrics import evaluate
 from kubellm.evaluate.report import html_report, pair_samples
+from kubellm.evaluate.tasks import load_task
 from kubellm.stages.context import StageContext, StageResult, markdown_table, write_json
 
 __all__ = ["PROMOTE", "REJECT", "Result", "run"]
@@ -50,8 +51,11 @@ class ChampionScore:
     predictions: list[dict[str, Any]] = field(default_factory=list)
 
 
-def champion_on(ctx: StageContext, dataset_dir: Path) -> ChampionScore:
-    """The current champion measured on this run's evaluation data; without one, why."""
+def champion_on(
+    ctx: StageContext, dataset_dir: Path, task: list[dict[str, str]] | None = None
+) -> ChampionScore:
+    """The current champion measured on this run's evaluation data (and `task`, the user's
+    eval_data, when given); without one, why."""
     mv = ctx.tracker.champion(ctx.cfg.model_name)
     if mv is None:
         return ChampionScore(None, "no champion yet")
@@ -60,7 +64,7 @@ def champion_on(ctx: StageContext, dataset_dir: Path) -> ChampionScore:
     with tempfile.TemporaryDirectory(prefix="champion-") as tmp:
         # a Hugging Face directory whichever layout the version was registered in
         local = download_hf_dir(ctx.tracker.client, mv, Path(tmp) / "model")
-        scored: dict[str, Any] = evaluate(local, dataset_dir)
+        scored: dict[str, Any] = evaluate(local, dataset_dir, examples=task)
         metrics = dict(scored["metrics"])
         if not _same_tokenizer(local, dataset_dir):
             # its loss on another tokenizer's ids is meaningless; exact match is text
@@ -111,9 +115,10 @@ def run(
     and the predictions of both models as artifacts."""
     cfg = ctx.cfg
     with ctx.stage("evaluate") as run_id:
-        scored = evaluate(model_dir, dataset_dir)
+        task = load_task(cfg.eval_data) if cfg.eval_data else None  # else the held-out examples
+        scored = evaluate(model_dir, dataset_dir, examples=task)
         metrics: dict[str, float] = dict(scored["metrics"])
-        rival = champion_on(ctx, Path(dataset_dir))
+        rival = champion_on(ctx, Path(dataset_dir), task)
         champion, about = rival.champion, rival.about
         gate = decide(
             metrics,

@@ -8,6 +8,7 @@ from typing import Any
 from kubellm import backends
 from kubellm.backends.base import TrainJob
 from kubellm.config import PipelineConfig, pipeline_config
+from kubellm.evaluate.tasks import load_task
 from kubellm.stages.configs import data_spec
 from kubellm.stages.context import (
     JobPlan,
@@ -55,6 +56,8 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
     ctx = StageContext(cfg, tracker, parent, kfp_run_id)
     with ctx.stage("preflight") as run_id:
         spec = data_spec(cfg)  # lists the data source: a wrong path fails here, in seconds
+        if cfg.eval_data:
+            load_task(cfg.eval_data)  # read in full: a bad line fails here, not after training
         job = ctx.backends.trainer.run(fabric_job(ctx.plan))
         metrics = {k: v for k, v in job.metrics.items() if k.startswith("allreduce")}
         tracker.log(
