@@ -245,7 +245,7 @@ class PipelineConfig(_Strict):
     force: bool = Field(
         False,
         description="Train even when the data is unchanged since the champion's (same data "
-        "fingerprint); false: such a run stops after prepare_data.",
+        "fingerprint); false: such a run stops after record_data.",
     )
     eval_data: str = Field(
         "",

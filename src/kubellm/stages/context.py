@@ -87,23 +87,24 @@ class StageContext:
         return cls(cfg, open_tracker(cfg, kfp_run_id), parent_run_id, kfp_run_id)
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[str]:
-        """The stage's MLflow child run: FAILED with the reason when the body raises."""
-        print(f"kubellm: {name} started", flush=True)
+    def stage(self, name: str, shown: str = "") -> Iterator[str]:
+        """The stage's MLflow child run: FAILED with the reason when the body raises.
+        `shown`: the step's name in what a person reads, when it is not the run's."""
+        print(f"kubellm: {shown or name} started", flush=True)
         self._started[name] = time.monotonic()
         with self.tracker.stage(self.parent_run_id, name) as run_id:
             self._runs[name] = run_id
             yield run_id
 
-    def finish(self, name: str, result: _R) -> _R:
+    def finish(self, name: str, result: _R, shown: str = "") -> _R:
         """Print the line a person sees when the stage ends (`kubellm run` shows it), and
         keep the stage's report as `report.md` of its MLflow run (the same text as its KFP
         Markdown artifact)."""
         if result.report and name in self._runs:
             self.tracker.client.log_text(self._runs[name], result.report, "report.md")
         seconds = time.monotonic() - self._started.get(name, time.monotonic())
-        shown = f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
-        print(f"kubellm: {name} done in {shown}s: {result.headline}", flush=True)
+        took = f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
+        print(f"kubellm: {shown or name} done in {took}s: {result.headline}", flush=True)
         return result
 
     def stage_runs(self) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def headline_of(manifest: dict[str, Any]) -> str:
 
 def run(spec: str, out_dir: str | Path) -> Result:
     """The Dataset artifact from a data_spec (configs.data_spec); no tracking, no run id."""
-    print("kubellm: prepare_data: building the dataset", flush=True)
+    print("kubellm: prepare_data started", flush=True)
     t0 = time.monotonic()
     manifest = prepare(spec_params(spec), out_dir)
     result = Result(
@@ -84,5 +84,5 @@ def run(spec: str, out_dir: str | Path) -> Result:
         data_fingerprint=manifest["data_fingerprint"],
     )
     seconds = time.monotonic() - t0
-    print(f"kubellm: prepare_data: built in {seconds:.1f}s: {result.headline}", flush=True)
+    print(f"kubellm: prepare_data done in {seconds:.1f}s: {result.headline}", flush=True)
     return result

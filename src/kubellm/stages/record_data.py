@@ -44,7 +44,7 @@ def run(ctx: StageContext, dataset_dir: str | Path) -> Result:
     """The dataset in this run's lineage, and whether it is new since the champion."""
     manifest = load_manifest(dataset_dir)
     fingerprint = manifest["data_fingerprint"]
-    with ctx.stage(STAGE) as run_id:
+    with ctx.stage(STAGE, shown="record_data") as run_id:
         since = unchanged_since(ctx, fingerprint)
         state = UNCHANGED if since and not ctx.cfg.force else CHANGED
         verdict = (
@@ -77,4 +77,5 @@ def run(ctx: StageContext, dataset_dir: str | Path) -> Result:
             data_fingerprint=fingerprint,
             data_state=state,
         ),
+        shown="record_data",
     )
