@@ -22,13 +22,16 @@ from typing import Any, TextIO
 
 from kubellm.config import ConfigError, pipeline_config
 
-# What reaches the terminal: our stage lines, training progress, trial results, and
-# kfp.local's word on a task that failed. Everything else stays in the log file.
+# What reaches the terminal: our stage lines, training progress, trial results, kfp.local's
+# word on a task that failed and the exception that failed it (the last line of its
+# traceback: the reason, e.g. the unreachable tracking server's URI). Everything else
+# stays in the log file.
 _SHOWN = re.compile(
     r"^(kubellm: "
     r"|\[[\w.-]+\] train: \d+/\d+ steps"
     r"|\[[\w.-]+\] trial \d+"
-    r"|.*finished with status FAILURE)"
+    r"|.*finished with status FAILURE"
+    r"|[\w.]*(Error|Unavailable|Failed|Exception): )"
 )
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
