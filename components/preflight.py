@@ -42,6 +42,7 @@ def preflight(
     num_nodes: int,
     gate_min_accuracy: float,
     force: bool,
+    pipeline_version: str,
     eval_data: str,
     gate_metric: str,
     gate_margin: float,

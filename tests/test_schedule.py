@@ -14,6 +14,7 @@ import yaml
 
 from fakes.fake_kfp import API, FakeKfp, isolate_kfp_client
 from kubellm.cli import main
+from kubellm.kfp_client import version_name
 from kubellm.schedule import kfp_cron, robfig_cron_error
 
 PIPELINE = Path(__file__).parents[1] / "pipelines" / "llm_train.yaml"
@@ -61,7 +62,8 @@ def test_schedule_creates_one_recurring_run_of_an_uploaded_version(
     assert run["no_catchup"] is True
     assert run["max_concurrency"] == "1"
     assert run["service_account"] == "kubellm-pipeline"
-    params = run["runtime_config"]["parameters"]
+    params = dict(run["runtime_config"]["parameters"])
+    version_param = params.pop("pipeline_version")
     assert params == {"train_steps": 7, "gate_margin": 0.0}
     (sent,) = fake.created_recurring_runs()
     assert type(sent["runtime_config"]["parameters"]["gate_margin"]) is float
@@ -71,6 +73,8 @@ def test_schedule_creates_one_recurring_run_of_an_uploaded_version(
     (version,) = fake.versions.values()
     assert pipeline["name"] == NAME
     assert version["name"].startswith("sha256-")
+    # the version it links to is also a parameter of its runs: the registry records it
+    assert version_param == version["name"] == version_name(str(PIPELINE))
     assert run["pipeline_version_reference"] == {
         "pipeline_id": pipeline["pipeline_id"],
         "pipeline_version_id": version["pipeline_version_id"],
@@ -99,7 +103,10 @@ def test_schedule_again_updates_in_place_without_a_duplicate(
     (run,) = fake.recurring_runs.values()  # exactly one, the new one
     assert run["recurring_run_id"] != first
     assert run["trigger"]["cron_schedule"]["cron"] == "0 30 4 * * 1-5"
-    assert run["runtime_config"]["parameters"] == {"train_steps": 9}
+    assert run["runtime_config"]["parameters"] == {
+        "train_steps": 9,
+        "pipeline_version": version_name(str(PIPELINE)),
+    }
     assert f"updated recurring run {NAME} ({run['recurring_run_id']})" in out
     assert f"deleted the replaced recurring run {first}" in out
     # the same YAML: the pipeline and its version are reused, not uploaded again

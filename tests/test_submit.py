@@ -20,7 +20,7 @@ import yaml
 
 from fakes.fake_kfp import API, FakeKfp, isolate_kfp_client
 from kubellm.cli import main
-from kubellm.kfp_client import resolve_token, run_link, ui_base
+from kubellm.kfp_client import resolve_token, run_link, ui_base, version_name
 
 PIPELINE = Path(__file__).parents[1] / "pipelines" / "llm_train.yaml"
 
@@ -71,6 +71,8 @@ def test_submit_sends_typed_overrides(fake: FakeKfp, capsys: pytest.CaptureFixtu
     run = runs[0]
     params = run["runtime_config"]["parameters"]
     # exactly the overrides given, nothing else (the pipeline's defaults stay on the server)
+    params = dict(params)
+    assert params.pop("pipeline_version") == version_name(str(PIPELINE))  # for the registry
     assert params == {
         "train_steps": 7,
         "gate_min_accuracy": 0.0,
@@ -111,7 +113,10 @@ def test_submit_reuses_an_existing_experiment(fake: FakeKfp) -> None:
     (run,) = fake.created_runs()
     assert run["experiment_id"] == existing["experiment_id"]
     assert run["display_name"].startswith("kubellm-")  # the timestamped default
-    assert run["runtime_config"]["parameters"] == {"tune_trials": 0}
+    assert run["runtime_config"]["parameters"] == {
+        "tune_trials": 0,
+        "pipeline_version": version_name(str(PIPELINE)),
+    }
 
 
 def test_submit_takes_the_endpoint_from_kfp_endpoint(
@@ -122,7 +127,7 @@ def test_submit_takes_the_endpoint_from_kfp_endpoint(
     assert fake.errors == []
     (run,) = fake.created_runs()
     assert run["display_name"] == "from-env"
-    assert run["runtime_config"].get("parameters", {}) == {}
+    assert run["runtime_config"]["parameters"] == {"pipeline_version": version_name(str(PIPELINE))}
 
 
 def test_submit_to_a_profile_namespace_on_multi_user_kfp() -> None:

@@ -247,6 +247,12 @@ class PipelineConfig(_Strict):
         description="Train even when the data is unchanged since the champion's (same data "
         "fingerprint); false: such a run stops after record_data.",
     )
+    pipeline_version: str = Field(
+        "",
+        description="Which compiled pipeline this run is: `sha256-` and 16 hex digits of the "
+        "YAML, the KFP pipeline version kubellm schedule uploads it as (kubellm submit and "
+        "schedule set it); recorded on the registered model. Empty when not known.",
+    )
     eval_data: str = Field(
         "",
         description="A JSONL (path or URI) of prompt/answer records: the task exact match is "

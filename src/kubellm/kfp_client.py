@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -145,12 +146,20 @@ def recurring_run_link(endpoint: str, ui_url: str | None, recurring_run_id: str)
     return None if base is None else f"{base}/#/recurringrun/details/{recurring_run_id}"
 
 
+def version_name(pipeline: str) -> str:
+    """The pipeline version a compiled YAML is: its content hash (`kubellm schedule` uploads
+    it under this name; every run carries it as `pipeline_version` for the registry)."""
+    return "sha256-" + hashlib.sha256(Path(pipeline).read_bytes()).hexdigest()[:16]
+
+
 def pipeline_arguments(pipeline: str, overrides: list[str]) -> dict[str, Any]:
     """The run's parameters from `--set`, validated as preflight validates them and typed as
-    the pipeline declares them, before anything is sent (`submit` and `schedule`)."""
+    the pipeline declares them, before anything is sent (`submit` and `schedule`), plus the
+    pipeline version it is (a step cannot learn it from KFP: no placeholder names it)."""
     if not Path(pipeline).is_file():
         raise ConfigError(f"pipeline {pipeline} not found (run `kubellm compile`)")
     values = parse_overrides(overrides, PipelineConfig)
+    values.setdefault("pipeline_version", version_name(pipeline))
     cfg = pipeline_config(values)
     return {k: getattr(cfg, k) for k in values}  # `0` for a float field goes out as 0.0
 

@@ -114,7 +114,11 @@ def lineage(client: MlflowClient, ref: str) -> dict[str, Any]:
             "smoke_test": smoke.get("status", ""),
             "served_exact_match": smoke.get("metrics", {}).get("served_exact_match"),
         },
-        "pipeline": {"run": parent, "kfp_run_id": tags.get(TAG_KFP_RUN, "")},
+        "pipeline": {
+            "run": parent,
+            "kfp_run_id": tags.get(TAG_KFP_RUN, ""),
+            "version": tags.get("kubellm.pipeline_version", ""),
+        },
     }
 
 
@@ -143,7 +147,8 @@ def format_text(chain: dict[str, Any]) -> str:
         f"  gate        {_v(e['gate'])} ({_v(e['gate_reason'])})",
         f"  deployment  run {_v(dep['run'])}: {_v(dep['endpoint'])}; smoke test "
         f"{_v(dep['smoke_test'])} (served exact match {_v(dep['served_exact_match'])})",
-        f"  pipeline    MLflow run {_v(p['run'])}, KFP run {_v(p['kfp_run_id'])}",
+        f"  pipeline    MLflow run {_v(p['run'])}, KFP run {_v(p['kfp_run_id'])}, "
+        f"pipeline version {_v(p['version'])}",
     ]
     return "\n".join(lines) + "\n"
 

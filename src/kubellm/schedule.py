@@ -22,7 +22,6 @@ descriptors (@daily, @every 6h) are sent as written. The times are the controlle
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -32,7 +31,13 @@ from typing import Any
 import yaml
 
 from kubellm.config import ConfigError
-from kubellm.kfp_client import connect, kfp_errors, pipeline_arguments, recurring_run_link
+from kubellm.kfp_client import (
+    connect,
+    kfp_errors,
+    pipeline_arguments,
+    recurring_run_link,
+    version_name,
+)
 
 # -- cron, as KFP parses it --------------------------------------------------------------
 
@@ -177,10 +182,6 @@ def pipeline_name(path: str) -> str:
         raise ConfigError(f"cannot read the pipeline name from {path}: {err}") from None
 
 
-def _version_name(path: str) -> str:
-    return "sha256-" + hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-
-
 def schedule(args: argparse.Namespace) -> int:
     action = next((a for a in ("list", "pause", "resume", "delete") if getattr(args, a)), None)
     if action and (args.cron or args.overrides):
@@ -251,7 +252,7 @@ def _upload(client: Any, args: argparse.Namespace) -> tuple[str, str, str]:
             namespace=args.namespace,
         )
         pipeline_id = client.pipelines.pipeline_service_create_pipeline(body).pipeline_id
-    version = _version_name(args.pipeline)
+    version = version_name(args.pipeline)
     versions = _all(
         client.list_pipeline_versions,
         "pipeline_versions",

@@ -30,7 +30,7 @@ def test_the_chain_from_data_to_deployment(chain: Chain, ctx: StageContext) -> N
         == (chain.results["evaluate"].metrics["exact_match"])
     )
     assert got["deployment"]["endpoint"].startswith("http://127.0.0.1:")
-    assert got["pipeline"] == {"run": ctx.parent_run_id, "kfp_run_id": RUN}
+    assert got["pipeline"] == {"run": ctx.parent_run_id, "kfp_run_id": RUN, "version": ""}
 
 
 def test_the_cli_prints_it_and_names_a_missing_version(

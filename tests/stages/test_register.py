@@ -197,3 +197,13 @@ def test_registering_reaches_no_hub_and_no_pip(
     assert result.version == "1"
     mv = side.tracker.client.get_model_version("tiny-offline", "1")
     assert mv.tags["kubellm.kfp_run_id"] == "register-offline"
+
+
+def test_the_pipeline_version_submit_or_schedule_passed_is_a_lineage_tag(
+    ctx: StageContext,
+) -> None:
+    """KFP names no pipeline version to a step; kubellm submit/schedule pass the YAML's
+    version name as the pipeline_version parameter, and the registered model records it."""
+    side = side_context(ctx, "with-version", pipeline_version="sha256-0123456789abcdef")
+    tags = register.lineage_tags(side)
+    assert tags[register.TAG_PIPELINE_VERSION] == "sha256-0123456789abcdef"

@@ -20,6 +20,8 @@ INPUT_EXAMPLE = "12+7="
 # The kubellm release whose pipeline made the version (KFP hands a step no pipeline-version
 # id: its placeholders name the run, the task and the job, not the pipeline version).
 TAG_KUBELLM_VERSION = "kubellm.version"
+# The compiled pipeline (its KFP pipeline version name) as submit/schedule passed it.
+TAG_PIPELINE_VERSION = "kubellm.pipeline_version"
 
 
 @dataclass
@@ -38,6 +40,7 @@ def lineage_tags(ctx: StageContext) -> dict[str, str]:
         "kubellm.trainer_image": ctx.cfg.trainer_image,
         "kubellm.serving_image": ctx.cfg.serving_image,
         TAG_KUBELLM_VERSION: __version__,
+        TAG_PIPELINE_VERSION: ctx.cfg.pipeline_version,
     }
     if "prepare_data" in runs:
         tags[TAG_FINGERPRINT] = runs["prepare_data"].data.tags.get(TAG_FINGERPRINT, "")
