@@ -151,6 +151,14 @@ def test_a_plain_text_corpus_goes_through_the_gate_on_perplexity(
         result.reason.startswith("perplexity ") and "<= gate_max_perplexity 1000" in result.reason
     )
     assert side.stage_runs()["evaluate"].data.tags["kubellm.gate_metric"] == "perplexity"
+    # no task to score, but held-out text to continue: what the report shows and the smoke
+    # test sends to the served model
+    written = json.loads(out.read_text())
+    assert 0 < len(written) <= 16
+    assert all(w["prompt"] for w in written)
+    # decoded from the held-out rows of this corpus (rows start mid-word: compare letters)
+    assert set("".join(w["prompt"] for w in written)) <= set("".join(words) + " ")
+    assert all(isinstance(w["prediction"], str) for w in written)
 
 
 def test_the_html_report_draws_the_training_runs_loss_curve(

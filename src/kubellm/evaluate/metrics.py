@@ -30,6 +30,30 @@ def heldout_loss(model: Any, dataset_dir: str | Path, batch_size: int = 64) -> f
     return total / max(count, 1)
 
 
+CONTINUATIONS = 16  # held-out text prefixes a plain-text model is asked to continue
+CONTINUATION_TOKENS = 8
+
+
+def continuations(
+    tokenizer: Any, dataset_dir: str | Path, n: int = CONTINUATIONS
+) -> list[dict[str, str]]:
+    """Prompts for data without prompt/answer pairs (plain text): the first half of held-out
+    rows, each with the text that followed it as its reference. Not a task (no exact match is
+    reported on them): they are what the model is seen generating, in the report and by the
+    smoke test, which checks the served model continues them as this one did."""
+    x, y = load_split(str(dataset_dir), "val")
+    half = x.shape[1] // 2
+    out = []
+    for row in range(min(n, x.shape[0])):
+        ids, kept = x[row].tolist(), (y[row] != IGNORE_INDEX).tolist()
+        prompt = tokenizer.decode(ids[:half], skip_special_tokens=True).strip()
+        follows = ids[half : half + CONTINUATION_TOKENS]
+        if prompt and all(kept[:half]):  # whole prompt of real tokens (no padding)
+            reference = tokenizer.decode(follows, skip_special_tokens=True).strip()
+            out.append({"prompt": prompt, "completion": reference})
+    return out
+
+
 def evaluate(
     model_dir: str | Path,
     dataset_dir: str | Path,
@@ -41,8 +65,11 @@ def evaluate(
     model, tokenizer = load_model(model_dir)
     loss = heldout_loss(model, dataset_dir)
     metrics: dict[str, Any] = {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    scored = True
     if examples is None:
         examples = load_eval_examples(dataset_dir, max_examples)
+    if not examples:  # plain text: continuations to show and to smoke-test, not to score
+        examples, scored = continuations(tokenizer, dataset_dir), False
     examples = examples[:max_examples]
     predictions: list[dict[str, Any]] = []
     if examples:
@@ -64,6 +91,7 @@ def evaluate(
                     "max_new_tokens": max_new,
                 }
             )
-        metrics["exact_match"] = sum(p["correct"] for p in predictions) / len(predictions)
-        metrics["eval_examples"] = len(predictions)
+        if scored:
+            metrics["exact_match"] = sum(p["correct"] for p in predictions) / len(predictions)
+            metrics["eval_examples"] = len(predictions)
     return {"metrics": metrics, "predictions": predictions}
