@@ -15,20 +15,17 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from kubellm.config import ConfigError
+from kubellm.registry import get_version
 from kubellm.tracking import CHAMPION, TAG_FINGERPRINT, TAG_KFP_RUN, TAG_STAGE, Tracker
 
 
 def resolve(client: MlflowClient, ref: str) -> Any:
     """NAME (its champion), NAME@ALIAS or NAME@VERSION -> the model version."""
     name, _, which = ref.partition("@")
-    which = which or CHAMPION
     try:
-        if which.isdigit():
-            return client.get_model_version(name, which)
-        return client.get_model_version_by_alias(name, which)
-    except MlflowException as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ConfigError(f"no model version {ref!r}: {reason}") from None
+        return get_version(client, name, which or CHAMPION)
+    except ConfigError as err:
+        raise ConfigError(f"no model version {ref!r}: {err}") from None
 
 
 def _stage_runs(client: MlflowClient, parent: str) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from kubellm.backends import resolve, select
@@ -28,7 +27,7 @@ from kubellm.config import ConfigError, PipelineConfig, pipeline_config
 from kubellm.evaluate.gate import REJECT
 from kubellm.registry import TAG_GATE, TAG_GATE_REASON, get_version, is_object_store
 from kubellm.stages.deploy import TAG_SERVING_URI, registry_model_uri, serve_request
-from kubellm.tracking import CHAMPION, check_reachable
+from kubellm.tracking import CHAMPION, champion_of, check_reachable
 
 TAG_PROMOTED = "kubellm.promoted"
 
@@ -84,7 +83,8 @@ def promote(
             f"{name} version {version} was rejected by the gate ({reason}); "
             "pass --force to promote it anyway"
         )
-    before = _champion(client, name)
+    current = champion_of(client, name)
+    before = str(current.version) if current is not None else ""
     backends = select(cfg, f"promote-{name}")  # its own workspace folder, outside any run's
     model_uri = _model_uri(backends.workspace, client, mv)
     # no run tag: a promoted deployment belongs to no pipeline run, whose cleanup keeps it
@@ -95,13 +95,6 @@ def promote(
     note = f"{stamp} by kubellm promote" + (f" (champion was v{before})" if before else "")
     client.set_model_version_tag(name, version, TAG_PROMOTED, note + (" --force" if force else ""))
     return Promotion(name, version, endpoint.url, model_uri, before)
-
-
-def _champion(client: MlflowClient, name: str) -> str:
-    try:
-        return str(client.get_model_version_by_alias(name, CHAMPION).version)
-    except MlflowException:  # no alias yet
-        return ""
 
 
 def promote_cli(

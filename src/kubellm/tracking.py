@@ -116,6 +116,14 @@ def _source_of(source: str) -> Any:
     return CodeDatasetSource({"kubellm.data_source": source})
 
 
+def champion_of(client: MlflowClient, model_name: str) -> Any | None:
+    """The registered model's `champion` version, or None (no model, no alias)."""
+    try:
+        return client.get_model_version_by_alias(model_name, CHAMPION)
+    except MlflowException:
+        return None
+
+
 @dataclass(frozen=True)
 class Tracker:
     """The MLflow store of one pipeline run."""
@@ -181,10 +189,7 @@ class Tracker:
 
     def champion(self, model_name: str) -> Any | None:
         """The registered model's `champion` version, or None (no model, no alias)."""
-        try:
-            return self.client.get_model_version_by_alias(model_name, CHAMPION)
-        except MlflowException:
-            return None
+        return champion_of(self.client, model_name)
 
     def children(self, parent_run_id: str) -> list[Any]:
         return list(
