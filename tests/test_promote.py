@@ -144,7 +144,8 @@ def test_on_the_simulated_cluster_an_inferenceservice_serves_it(
     registry: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """platform=kubernetes: the version is copied onto the workspace PVC and served by an
-    InferenceService whose storage is pvc://; promoting another replaces it."""
+    InferenceService (KServe's Hugging Face runtime) whose storage is pvc://; promoting
+    another brings it up beside the first, then moves all traffic to it."""
     with SimCluster(tmp_path / "cluster") as sim:
         for key, value in sim.env("kubellm").items():
             monkeypatch.setenv(key, value)
@@ -162,8 +163,9 @@ def test_on_the_simulated_cluster_an_inferenceservice_serves_it(
         first = promote(cfg, f"{NAME}@1")
         assert first.model_uri == f"pvc://{WORKSPACE_PVC}/promote-{NAME}/serve/v1"
         isvc = sim.fake.get_object("inferenceservices", NAME, "kubellm")
-        env = isvc["spec"]["predictor"]["containers"][0]["env"]
-        assert {"name": "STORAGE_URI", "value": first.model_uri} in env
+        model = isvc["spec"]["predictor"]["model"]  # KServe's Hugging Face runtime
+        assert model["modelFormat"]["name"] == "huggingface"
+        assert model["storageUri"] == first.model_uri
         assert "kubellm/run-tag" not in (isvc["metadata"].get("annotations") or {})
         assert ask(Endpoint(NAME, first.endpoint), PROMPTS, NEW_TOKENS) == registry.answers["1"]
         assert champion(registry) == "1"
@@ -172,6 +174,13 @@ def test_on_the_simulated_cluster_an_inferenceservice_serves_it(
         assert second.model_uri.endswith("/serve/v2")
         assert ask(Endpoint(NAME, second.endpoint), PROMPTS, NEW_TOKENS) == registry.answers["2"]
         assert champion(registry) == "2"
+        # v2 came up as a canary beside v1, then took all traffic
+        status = sim.fake.get_object("inferenceservices", NAME, "kubellm")["status"]
+        traffic = status["components"]["predictor"]["traffic"]
+        assert [(t["revisionName"], t["percent"]) for t in traffic if t["percent"]] == [
+            (status["components"]["predictor"]["latestRolledoutRevision"], 100)
+        ]
+        assert status["components"]["predictor"]["latestRolledoutRevision"].endswith("-00002")
         assert sim.errors == []
 
 
@@ -192,7 +201,7 @@ def test_from_a_laptop_a_cluster_version_is_served_from_its_deploy_copy(
     kept.tags[TAG_SERVING_URI] = copied
     assert _model_uri(ws, registry.client, kept) == copied
     s3 = SimpleNamespace(name=NAME, version="5", source="s3://bucket/1/models/m/artifacts", tags={})
-    assert _model_uri(ws, registry.client, s3) == s3.source
+    assert _model_uri(ws, registry.client, s3) == f"{s3.source}/model"  # a complete HF dir
     never = SimpleNamespace(name=NAME, version="6", source="mlflow-artifacts:/1/n", tags={})
     with pytest.raises(ConfigError, match="no deploy step copied it onto the workspace PVC"):
         _model_uri(ws, registry.client, never)

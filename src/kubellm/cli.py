@@ -175,12 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     pro.add_argument("--local", action="store_true", help="serve on this machine (platform=local)")
     _add_set(pro, "pipeline parameter (platform, namespace, serving_image, runs_dir, ...)")
 
-    sv = sub.add_parser("serve", help="serve a model directory with the KServe ModelServer")
-    sv.add_argument("model_dir")
-    sv.add_argument("--name", default="kubellm", help="model name (/v1/models/NAME)")
-    sv.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 in a pod)")
-    sv.add_argument("--port", type=int, default=8080)
-    sv.add_argument("--trust-remote-code", action="store_true")
+    # listed for `kubellm --help`; main() hands its arguments (and --help) to
+    # kubellm.serve.server's parser: one set of options, serving imports only for this command
+    sv = sub.add_parser(
+        "serve",
+        help="serve a model directory: KServe V1/V2 and OpenAI-compatible routes, batched",
+        add_help=False,
+    )
+    sv.add_argument("serve_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -245,6 +247,12 @@ def _evaluate(model_dir: str, dataset_dir: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # its options (and --help) are kubellm.serve.server's
+        from kubellm.serve.server import main as serve_main
+
+        serve_main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         if args.command == "compile":
@@ -289,11 +297,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.local:
                 overrides["platform"] = "local"
             return promote_cli(args.model, args.tracking_uri, overrides, args.force)
-        if args.command == "serve":
-            from kubellm.serve.server import serve
-
-            serve(args.model_dir, args.name, args.host, args.port, args.trust_remote_code)
-            return 0
     except (ConfigError, DataError, TrackingUnavailable) as err:
         print(f"kubellm: error: {err}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ TextMode = Literal["file", "line"]
 Fabric = Literal["tcp", "rdma-ib", "roce"]
 GangScheduler = Literal["kueue", "volcano"]
 TuneAlgorithm = Literal["random", "tpe", "bayesianoptimization", "grid"]
+ServingRuntime = Literal["huggingface", "custom"]
 GateMetric = Literal["auto", "exact_match", "eval_loss", "perplexity"]
 GATE_METRICS = ("exact_match", "eval_loss", "perplexity")
 # what gate_guards may bound: the gate metrics and the generation speed evaluate measures
@@ -304,6 +305,40 @@ class PipelineConfig(_Strict):
     serving_image: str = Field(
         "ghcr.io/kubellm/serving:0.1.0", min_length=1, description="Image of the model server."
     )
+    serving_runtime: ServingRuntime = Field(
+        "huggingface",
+        description="KServe serving runtime: huggingface (KServe's Hugging Face runtime, "
+        "modelFormat huggingface) or custom (serving_image running `kubellm serve`). Both "
+        "answer the same routes (KServe V1/V2 and /openai/v1).",
+    )
+    canary_traffic_percent: int = Field(
+        10,
+        ge=1,
+        le=99,
+        description="Share of traffic a new model version gets while it is smoke-tested, "
+        "where a previous version serves (KServe canaryTrafficPercent); a passed smoke test "
+        "moves all traffic to it, a failed one moves all traffic back.",
+    )
+    serving_cpu: Quantity = Field("1", description="CPU request and limit of each model server.")
+    serving_memory: Quantity = Field(
+        "4Gi", description="Memory request and limit of each model server."
+    )
+    serving_gpus: int = Field(
+        0, ge=0, le=16, description="GPUs each model server requests (nvidia.com/gpu); 0: CPU."
+    )
+    serving_min_replicas: int = Field(
+        1, ge=0, le=1000, description="Fewest model server replicas (0: scale to zero)."
+    )
+    serving_max_replicas: int = Field(
+        1, ge=1, le=1000, description="Most model server replicas (the autoscaler's ceiling)."
+    )
+    smoke_timeout_seconds: int = Field(
+        60,
+        ge=1,
+        le=3600,
+        description="Longest the smoke test waits for one answer; a slower one fails the test "
+        "(and rolls back).",
+    )
     workspace_pvc: str = Field(
         "kubellm-workspace", min_length=1, description="PVC shared by steps and jobs (cluster)."
     )
@@ -424,6 +459,11 @@ class PipelineConfig(_Strict):
         if self.fabric != "tcp" and not self.gpus_per_node:
             raise ValueError(
                 f"fabric={self.fabric} needs gpus_per_node > 0 (RDMA carries NCCL's GPU traffic)"
+            )
+        if self.serving_max_replicas < self.serving_min_replicas:
+            raise ValueError(
+                f"serving_max_replicas ({self.serving_max_replicas}) is below "
+                f"serving_min_replicas ({self.serving_min_replicas})"
             )
         if self.tune_trials and self.tune_max_failed >= self.tune_trials:
             raise ValueError(

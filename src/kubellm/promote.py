@@ -88,7 +88,10 @@ def promote(
     backends = select(cfg, f"promote-{name}")  # its own workspace folder, outside any run's
     model_uri = _model_uri(backends.workspace, client, mv)
     # no run tag: a promoted deployment belongs to no pipeline run, whose cleanup keeps it
-    endpoint = backends.server.deploy(serve_request(cfg, model_uri, ""))
+    # the version comes up beside the current one (a canary on a cluster), then takes all
+    # traffic: a version that does not become ready never displaces the one serving
+    backends.server.deploy(serve_request(cfg, model_uri, "", version))
+    endpoint = backends.server.promote(name, cfg.namespace)
     client.set_registered_model_alias(name, CHAMPION, version)
     client.set_model_version_tag(name, version, TAG_SERVING_URI, model_uri)
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

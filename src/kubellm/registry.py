@@ -6,7 +6,9 @@ A version's artifact (logged once, by the register stage, under its MLflow run):
     MLmodel                 flavors transformers (task text-generation) and python_function,
                             signature, input example, model id, run id
     requirements.txt        pinned from the versions installed where it was logged
-    model/                  config.json, generation_config.json, model.safetensors
+    model/                  config.json, generation_config.json, model.safetensors and a
+                            copy of the tokenizer files: a Hugging Face directory on its own
+                            (what KServe's Hugging Face runtime is given)
     components/tokenizer/   the tokenizer files
 
 so `mlflow.transformers.load_model("models:/NAME/VERSION")` returns a text-generation
@@ -142,6 +144,11 @@ def log_transformers_model(
             # with the Hub off, mlflow writes a LICENSE.txt that sends readers to
             # huggingface.co/<this machine's path>; the model card says what the license is
             (local / "LICENSE.txt").unlink(missing_ok=True)
+            # model/ becomes a complete Hugging Face directory: KServe's Hugging Face runtime
+            # loads weights and tokenizer from one folder (the storage URI), not MLflow's
+            # layout; mlflow.transformers still reads its tokenizer from components/.
+            if (local / TOKENIZER_DIR).is_dir():
+                shutil.copytree(local / TOKENIZER_DIR, local / WEIGHTS_DIR, dirs_exist_ok=True)
             client.log_model_artifacts(logged.model_id, str(local))
         client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
     except BaseException:

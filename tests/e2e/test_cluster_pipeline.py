@@ -110,6 +110,18 @@ def test_the_pipeline_runs_on_the_simulated_cluster(tmp_path: Path, half_learnab
         # serving: the InferenceService answered the smoke test
         (isvc,) = fake.created("inferenceservices")
         assert isvc["metadata"]["name"] == "kubellm-tiny"
+        # KServe's Hugging Face runtime on the registered version's copy, all traffic (a
+        # first deployment has no previous revision to share it with)
+        predictor = isvc["spec"]["predictor"]
+        assert predictor["model"]["modelFormat"]["name"] == "huggingface"
+        assert predictor["model"]["storageUri"].startswith("pvc://")
+        assert isvc["metadata"]["annotations"]["kubellm/model-version"] == "1"
+        live = fake.get_object("inferenceservices", "kubellm-tiny", NAMESPACE)
+        assert live is not None
+        traffic = live["status"]["components"]["predictor"]["traffic"]
+        assert [(t["revisionName"], t["percent"]) for t in traffic] == [
+            ("kubellm-tiny-predictor-00001", 100)
+        ]
         assert rows["endpoint"].startswith("http://127.0.0.1:")
         assert rows["gate"].startswith("promote")
 

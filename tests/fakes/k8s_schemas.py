@@ -24,6 +24,8 @@ from jsonschema import Draft7Validator
 VENDORED_CRDS = Path(__file__).resolve().parents[1] / "fixtures" / "crds"
 PYTORCHJOB_CRD = "kubeflow.org_pytorchjobs.yaml"
 INFERENCESERVICE_CRD = "serving.kserve.io_inferenceservices.yaml"
+# ServingRuntime; a ClusterServingRuntime has the same spec (the sim's KServe installs one).
+SERVINGRUNTIME_CRD = "serving.kserve.io_servingruntimes.yaml"
 KATIB_SWAGGER = "katib_v1beta1_swagger.json"
 REQUIRED_FILES = (PYTORCHJOB_CRD, INFERENCESERVICE_CRD, KATIB_SWAGGER)
 
@@ -49,6 +51,23 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 # DNS-1035 label: Katib's experiment names and the PyTorchJob webhook's job names.
 _KATIB_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _PLACEHOLDER = re.compile(r"\$\{trialParameters\.([^}]*)\}")
+# KServe's inference_service_validation.go IsvcNameFmt.
+_ISVC_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# PredictorSpec's implementations (predictor.go GetImplementations): the framework specs, the
+# model spec, and custom containers.
+_PREDICTOR_IMPLEMENTATIONS = (
+    "xgboost",
+    "pytorch",
+    "triton",
+    "sklearn",
+    "tensorflow",
+    "onnx",
+    "pmml",
+    "lightgbm",
+    "paddle",
+    "huggingface",
+    "model",
+)
 
 Validator = Callable[[dict[str, Any]], list[str]]
 
@@ -323,6 +342,71 @@ def katib_semantics(body: dict[str, Any]) -> list[str]:
     return errors
 
 
+def inferenceservice_semantics(body: dict[str, Any]) -> list[str]:
+    """What KServe's validating webhook rejects (pkg/apis/serving/v1beta1/
+    inference_service_validation.go validateInferenceService) for a predictor: the name
+    format, exactly one implementation, no `name` in a standard predictor, the replica
+    bounds and the custom predictor's protocol. A canaryTrafficPercent outside 0..100 is
+    not the webhook's: Knative refuses it later (the sim's KServe reports it)."""
+    errors = []
+    name = (body.get("metadata") or {}).get("name") or ""
+    if name and not _ISVC_NAME.match(name):
+        errors.append(
+            f"metadata.name: the InferenceService {name!r} is invalid: a InferenceService name "
+            "must consist of lower case alphanumeric characters or '-', and must start with "
+            f"alphabetical character (regex used for validation is '{_ISVC_NAME.pattern[1:-1]}')"
+        )
+    predictor = (body.get("spec") or {}).get("predictor")
+    if not isinstance(predictor, dict):
+        return errors  # the schema names a missing predictor
+    found = [k for k in _PREDICTOR_IMPLEMENTATIONS if predictor.get(k) is not None]
+    if predictor.get("containers"):
+        found.append("containers")
+    if len(found) != 1:
+        # component.go validateExactlyOneImplementation / ExactlyOneErrorFor
+        errors.append(
+            "spec.predictor: exactly one of ["
+            + ", ".join(_PREDICTOR_IMPLEMENTATIONS)
+            + ", containers] must be specified in PredictorSpec"
+            + (f" (found {', '.join(found)})" if found else "")
+        )
+    for impl in _PREDICTOR_IMPLEMENTATIONS:  # validatePredictor
+        if isinstance(predictor.get(impl), dict) and predictor[impl].get("name"):
+            errors.append(
+                f"spec.predictor.{impl}.name: the 'name' field is not allowed in standard predictor"
+            )
+    low, high = predictor.get("minReplicas", 1), predictor.get("maxReplicas", 0)
+    if isinstance(low, int) and isinstance(high, int):  # component.go validateReplicas
+        if low < 0:
+            errors.append("spec.predictor.minReplicas: 'MinReplicas' cannot be less than 0")
+        if high < 0:
+            errors.append("spec.predictor.maxReplicas: 'MaxReplicas' cannot be less than 0")
+        if low > high and high != 0:
+            errors.append(
+                "spec.predictor.minReplicas: 'MinReplicas' cannot be greater than MaxReplicas"
+            )
+    concurrency = predictor.get("containerConcurrency")
+    if isinstance(concurrency, int) and concurrency < 0:
+        errors.append("spec.predictor.containerConcurrency: parallelism cannot be less than 0")
+    for container in (predictor.get("containers") or [])[:1]:  # CustomPredictor.Validate
+        for env in container.get("env") or []:
+            if env.get("name") == "PROTOCOL" and env.get("value") not in ("v1", "v2"):
+                errors.append(
+                    f"spec.predictor.containers[0].env: invalid protocol {env.get('value')}. "
+                    "Must be one of [v1, v2]"
+                )
+    return errors
+
+
+def servingruntime_errors(directory: Path, body: dict[str, Any]) -> list[str]:
+    """A ServingRuntime or ClusterServingRuntime against the vendored ServingRuntime CRD."""
+    check = crd_check(directory / SERVINGRUNTIME_CRD, "v1alpha1")
+    errors = metadata_errors(body) + check(body)
+    if body.get("apiVersion") != "serving.kserve.io/v1alpha1":
+        errors.append("apiVersion: expected serving.kserve.io/v1alpha1")
+    return errors
+
+
 _POD_SPEC_CHECKS: dict[int, SchemaCheck] = {}
 
 
@@ -341,7 +425,7 @@ def validators(directory: Path) -> dict[str, Validator]:
 
     def inferenceservice(body: dict[str, Any]) -> list[str]:
         check = crd_check(directory / INFERENCESERVICE_CRD, "v1beta1")
-        return metadata_errors(body) + check(body)
+        return metadata_errors(body) + check(body) + inferenceservice_semantics(body)
 
     def experiment(body: dict[str, Any]) -> list[str]:
         # The Experiment CRD preserves unknown fields; Katib's OpenAPI spec is the real schema.

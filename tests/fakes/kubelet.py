@@ -495,6 +495,17 @@ class Kubelet(Controller):
         with contextlib.suppress(ApiError):  # the pod was deleted meanwhile
             self.fake.set_status("pods", key[2], status, namespace=key[1])
 
+    def signal_pod(self, namespace: str, name: str, signum: int) -> None:
+        """Send `signum` to a running pod's process group. Tests play a hung container this
+        way (SIGSTOP: it keeps its port and answers nothing; SIGCONT resumes it), a failure
+        a real node shows when a process deadlocks or is starved."""
+        key = ("pods", namespace, name)
+        with self._lock:
+            popen = next((p.proc for p in self._procs.values() if p.key == key), None)
+        if popen is None or popen.poll() is not None:
+            raise LookupError(f"pod {namespace}/{name} has no running process")
+        os.killpg(popen.pid, signum)
+
     # ------------------------------------------------------------ deletion
 
     def _on_pod_deleted(self, _fake: Any, pod: dict[str, Any]) -> None:

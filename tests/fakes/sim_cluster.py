@@ -13,8 +13,10 @@ pods run as local processes:
   restartPolicy ExitCode, backoffLimit, activeDeadlineSeconds, TTL, cleanPodPolicy).
 - katib_controller.py: kubeflow.org/v1beta1 Experiment and Trial (suggestions, trial jobs,
   the StdOut metrics collector, experiment conditions and currentOptimalTrial).
-- kserve_controller.py: serving.kserve.io/v1beta1 InferenceService (a predictor process on a
-  free port, readiness through the V1 protocol, KServe's status).
+- kserve_controller.py: serving.kserve.io/v1beta1 InferenceService in Knative mode (serving
+  runtimes, one with KServe's Hugging Face runtime installed; revisions, each a predictor
+  process on a free port, ready through the V1 protocol; canary traffic and tags; KServe's
+  status). `sim.kserve.add_runtime(...)` installs more runtimes.
 
 Each module's docstring cites the upstream code it follows and lists what it simplifies.
 
@@ -88,11 +90,12 @@ class SimCluster:
         self.namespace_labels = NamespaceLabels()
         self.errors: list[str] = []  # controller failures (tracebacks); a test asserts none
         self.kubelet = Kubelet(self)
+        self.kserve = KServe(self)
         self.controllers: list[Controller] = [
             self.kubelet,
             TrainingOperator(self),
             Katib(self),
-            KServe(self),
+            self.kserve,
         ]
         self.pvc_dir(WORKSPACE_PVC)
 

@@ -19,7 +19,7 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
 from fakes.fake_k8s import RESOURCES, ApiError, FakeK8s, merge_patch, selector_matches
-from kubellm.backends.base import ServeRequest, TrainJob, TuneRequest
+from kubellm.backends.base import ServeRequest, ServeResources, TrainJob, TuneRequest
 from kubellm.backends.kubernetes.inferenceservice import build_inferenceservice
 from kubellm.backends.kubernetes.katib import build_experiment
 from kubellm.backends.kubernetes.pytorchjob import pytorchjob_manifest
@@ -34,7 +34,9 @@ def valid_body(plural: str) -> dict[str, Any]:
     if plural == "experiments":
         space = [SearchParam("lr", 0.001, 0.1)]
         return build_experiment(TuneRequest(name="e", trial_job=JOB, space=space, max_trials=2))
-    return build_inferenceservice(ServeRequest(name="m", model_uri="pvc://ws/m", image="img"))
+    # up to 4 replicas: a case below raises minReplicas (KServe's webhook: min <= max)
+    resources = ServeResources(max_replicas=4)
+    return build_inferenceservice(ServeRequest("m", "pvc://ws/m", image="img", resources=resources))
 
 
 def master_container(body: dict[str, Any]) -> Any:

@@ -1,181 +1,755 @@
-"""InferenceServiceServer against the fake API server (schema: KServe's InferenceService CRD)."""
+"""InferenceServiceServer against the fake API server (schema: KServe's InferenceService CRD).
+
+The statuses here are scripted, each one a status KServe writes (the fake validates them
+against the CRD too): kserve/kserve pkg/apis/serving/v1beta1/inference_service_status.go
+PropagateStatus copies the Knative Service's revisions and traffic into
+status.components.predictor, and ksvc_reconciler.go decides that traffic from
+canaryTrafficPercent. tests/k8s/test_canary.py runs the same flows on the simulated
+cluster, with real predictor processes.
+"""
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from fakes.fake_k8s import FakeK8s
-from kubellm.backends.base import JobFailed, JobTimeout, ServeRequest
+from fakes.k8s_schemas import VENDORED_CRDS, servingruntime_errors
+from fakes.kserve_controller import HF_RUNTIME_YAML
+from kubellm.backends.base import JobFailed, JobTimeout, ServeRequest, ServeResources
 from kubellm.backends.kubernetes.inferenceservice import (
     InferenceServiceServer,
     build_inferenceservice,
+    tag_url,
 )
 
 from .conftest import POLL_S
 
+NS = "default"
 URL = "http://llm.default.example.com"
-ADDRESS = "http://llm-predictor.default.svc.cluster.local"
-NOT_READY = {
-    "conditions": [
-        {"type": "PredictorReady", "status": "False", "reason": "RevisionMissing"},
-        {
-            "type": "Ready",
-            "status": "False",
-            "reason": "RevisionMissing",
-            "message": 'Configuration "llm-predictor" does not have any ready Revision.',
-        },
-    ],
-    "modelStatus": {
-        "transitionStatus": "InProgress",
-        "states": {"activeModelState": "Pending", "targetModelState": "Loading"},
-    },
-    "observedGeneration": 1,
-}
-READY = {
-    "conditions": [
-        {"type": "PredictorReady", "status": "True"},
-        {"type": "Ready", "status": "True"},
-    ],
-    "url": URL,
-    "address": {"url": ADDRESS},
-    "modelStatus": {
-        "transitionStatus": "UpToDate",
-        "states": {"activeModelState": "Loaded", "targetModelState": "Loaded"},
-    },
-    "observedGeneration": 1,
-}
-BLOCKED = {
-    "conditions": [
-        {"type": "Ready", "status": "False", "reason": "RevisionFailed", "message": "crashloop"}
-    ],
-    "modelStatus": {
-        "transitionStatus": "BlockedByFailedLoad",
-        "states": {"activeModelState": "", "targetModelState": "FailedToLoad"},
-        "lastFailureInfo": {
-            "reason": "ModelLoadFailed",
-            "message": "no config.json in /mnt/models",
-        },
-    },
-    "observedGeneration": 1,
-}
+ADDRESS = "http://llm.default.svc.cluster.local"
+PREDICTOR_URL = "http://llm-predictor.default.example.com"
+PREDICTOR_ADDRESS = "http://llm-predictor.default.svc.cluster.local"
+REV1, REV2, REV3 = (f"llm-predictor-0000{i}" for i in (1, 2, 3))
 
 
 def request(**overrides: Any) -> ServeRequest:
     base: dict[str, Any] = {
         "name": "llm",
-        "model_uri": "pvc://kubellm-workspace/models/llm",
+        "model_uri": "pvc://kubellm-workspace/serve/v1",
         "image": "ghcr.io/example/kubellm-serve:test",
         "timeout_s": 10.0,
         "run_tag": "run-1",
+        "version": "1",
     }
     return ServeRequest(**{**base, **overrides})
 
 
 def server(fake: FakeK8s, **kwargs: Any) -> InferenceServiceServer:
-    return InferenceServiceServer(fake.api_client(), poll_interval_s=POLL_S, **kwargs)
+    return InferenceServiceServer(
+        fake.api_client(), poll_interval_s=POLL_S, traffic_timeout_s=5.0, **kwargs
+    )
 
 
-def test_manifest_runs_kubellm_serve_on_the_downloaded_model(fake_k8s: FakeK8s) -> None:
+# ---------------------------------------------------------------- KServe's statuses
+
+
+def target(tag: str, rev: str, percent: int, latest: bool) -> dict[str, Any]:
+    """A Knative traffic target as KServe reports it; tagged ones have their own URL."""
+    return {
+        "tag": tag,
+        "revisionName": rev,
+        "percent": percent,
+        "latestRevision": latest,
+        "url": f"http://{tag}-llm-predictor.default.example.com",
+    }
+
+
+def condition(ctype: str, status: str, reason: str = "", message: str = "") -> dict[str, Any]:
+    out = {"type": ctype, "status": status}
+    return {
+        **out,
+        **({"reason": reason} if reason else {}),
+        **({"message": message} if message else {}),
+    }
+
+
+def status(
+    created: str,
+    ready: str,
+    rolled: str = "",
+    traffic: tuple[dict[str, Any], ...] = (),
+    *,
+    previous: str = "",
+    generation: int = 1,
+    ready_status: str = "True",
+    reason: str = "",
+    message: str = "",
+    model: str = "UpToDate",
+    failure: dict[str, Any] | None = None,
+    mode: str = "Serverless",
+) -> dict[str, Any]:
+    """status of InferenceService llm: its revisions, traffic and conditions."""
+    predictor: dict[str, Any] = {"latestCreatedRevision": created, "traffic": list(traffic)}
+    for key, value in (
+        ("latestReadyRevision", ready),
+        ("latestRolledoutRevision", rolled),
+        ("previousRolledoutRevision", previous),
+    ):
+        if value:
+            predictor[key] = value
+    if ready:
+        predictor.update(url=PREDICTOR_URL, address={"url": PREDICTOR_ADDRESS})
+    out: dict[str, Any] = {
+        "observedGeneration": generation,
+        "deploymentMode": mode,
+        "components": {"predictor": predictor},
+        "conditions": [
+            condition("IngressReady", "True" if ready else "Unknown"),
+            condition("PredictorReady", ready_status, reason, message),
+            condition("Ready", ready_status, reason, message),
+        ],
+        "modelStatus": {
+            "transitionStatus": model,
+            "states": {
+                "activeModelState": "Loaded" if ready else "",
+                "targetModelState": {"UpToDate": "Loaded", "InProgress": "Pending"}.get(
+                    model, "FailedToLoad"
+                ),
+            },
+            **({"lastFailureInfo": failure} if failure else {}),
+        },
+    }
+    if ready:
+        out.update(url=URL, address={"url": ADDRESS})
+    return out
+
+
+STARTING = status(
+    REV1,
+    "",
+    ready_status="Unknown",
+    reason="RevisionMissing",
+    message='Configuration "llm-predictor" is waiting for a Revision to become ready.',
+    model="InProgress",
+)
+SERVING = status(REV1, REV1, REV1, (target("latest", REV1, 100, True),))
+LOAD_FAILED = {
+    "reason": "ModelLoadFailed",
+    "message": "no config.json in /mnt/models",
+    "exitCode": 1,
+}
+FAILED_FIRST = status(
+    REV1,
+    "",
+    ready_status="False",
+    reason="RevisionFailed",
+    message=f'Revision "{REV1}" failed with message: Container failed with: crashloop.',
+    model="BlockedByFailedLoad",
+    failure=LOAD_FAILED,
+)
+# ksvc_reconciler.go: canaryTrafficPercent 10 beside REV1; until REV2 is ready, `latest`
+# still resolves to the latest ready revision (Knative), so REV1 has all traffic.
+CANARY_STARTING = status(
+    REV2,
+    REV1,
+    REV1,
+    (target("latest", REV1, 10, True), target("prev", REV1, 90, False)),
+    generation=2,
+    ready_status="Unknown",
+    model="InProgress",
+)
+CANARY = status(
+    REV2,
+    REV2,
+    REV1,
+    (target("latest", REV2, 10, True), target("prev", REV1, 90, False)),
+    generation=2,
+)
+CANARY_FAILED = status(
+    REV2,
+    REV1,
+    REV1,
+    (target("latest", REV1, 10, True), target("prev", REV1, 90, False)),
+    generation=2,
+    ready_status="False",
+    reason="RevisionFailed",
+    message=f'Revision "{REV2}" failed with message: Container failed with: crashloop.',
+    model="BlockedByFailedLoad",
+    failure=LOAD_FAILED,
+)
+# canaryTrafficPercent 0: all traffic back on REV1, REV2 kept behind its tag at 0%.
+ROLLED_BACK = status(
+    REV2,
+    REV2,
+    REV1,
+    (target("latest", REV2, 0, True), target("prev", REV1, 100, False)),
+    generation=3,
+)
+ROLLED_BACK_FAILED = {
+    **CANARY_FAILED,
+    "components": {
+        "predictor": {
+            **CANARY_FAILED["components"]["predictor"],
+            "traffic": [target("latest", REV1, 0, True), target("prev", REV1, 100, False)],
+        }
+    },
+}
+# canaryTrafficPercent removed: REV2 takes all traffic and is rolled out (PropagateStatus).
+PROMOTED = status(
+    REV2, REV2, REV2, (target("latest", REV2, 100, True),), previous=REV1, generation=3
+)
+
+
+def stored(fake: FakeK8s, st: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """InferenceService llm as `request(**overrides)` left it, with status `st`; with the
+    canary share in its spec where `st` splits traffic (a `prev` target)."""
+    split = any(t.get("tag") == "prev" for t in st["components"]["predictor"]["traffic"])
+    body = build_inferenceservice(request(**overrides), canary=split)
+    fake.create_object("inferenceservices", body, NS)
+    fake.set_status("inferenceservices", "llm", st, namespace=NS)
+    obj = fake.get_object("inferenceservices", "llm", NS)
+    assert obj is not None
+    return obj
+
+
+def puts(fake: FakeK8s) -> list[dict[str, Any]]:
+    return [r.body for r in fake.requests if r.method == "PUT" and "/inferenceservices/" in r.path]
+
+
+def percent_sent(body: dict[str, Any]) -> Any:
+    return body["spec"]["predictor"].get("canaryTrafficPercent", "absent")
+
+
+# ---------------------------------------------------------------- the bodies
+
+
+def test_huggingface_runtime_body_is_the_model_kserve_expects(fake_k8s: FakeK8s) -> None:
     body = build_inferenceservice(request())
+
+    assert fake_k8s.validate("inferenceservices", body) == []  # strict: no unknown field
+    predictor = body["spec"]["predictor"]
+    model = predictor["model"]
+    assert "containers" not in predictor  # inference_service_validation.go: exactly one
+    assert "name" not in model  # validatePredictor: no 'name' in a standard predictor
+    # predictor_model.go: the format KServe matches against supportedModelFormats
+    assert model["modelFormat"] == {"name": "huggingface"}
+    assert model["storageUri"] == "pvc://kubellm-workspace/serve/v1"
+    # huggingfaceserver/__main__.py flags; appended to the runtime's --model_name={{.Name}}
+    assert model["args"] == ["--model_name=llm", "--backend=huggingface"]
+    assert {e["name"]: e["value"] for e in model["env"]} == {"HOME": "/tmp"}
+    assert model["securityContext"]["readOnlyRootFilesystem"] is True
+    assert model["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"}]
+    assert predictor["volumes"] == [{"name": "scratch", "emptyDir": {}}]
+    # python/huggingface_server.Dockerfile: USER 1000
+    assert predictor["securityContext"]["runAsUser"] == 1000
+    assert predictor["securityContext"]["runAsNonRoot"] is True
+    assert predictor["automountServiceAccountToken"] is False
+    assert "canaryTrafficPercent" not in predictor  # a create takes all traffic
+    assert body["metadata"]["annotations"] == {
+        "serving.kserve.io/enable-tag-routing": "true",  # constants.go EnableRoutingTag...
+        "kubellm/run-tag": "run-1",
+        "kubellm/model-version": "1",
+    }
+    assert "serving.kserve.io/deploymentMode" not in body["metadata"]["annotations"]
+
+
+def test_the_sims_huggingface_runtime_is_kserves() -> None:
+    """config/runtimes/kserve-huggingfaceserver.yaml, as the simulated cluster installs it."""
+    import yaml
+
+    runtime = yaml.safe_load(HF_RUNTIME_YAML)
+    assert servingruntime_errors(VENDORED_CRDS, runtime) == []
+    assert runtime["kind"] == "ClusterServingRuntime"
+    assert runtime["metadata"]["name"] == "kserve-huggingfaceserver"
+    (fmt,) = runtime["spec"]["supportedModelFormats"]
+    assert (fmt["name"], fmt["autoSelect"]) == ("huggingface", True)
+    (container,) = runtime["spec"]["containers"]
+    assert container["name"] == "kserve-container"
+    assert container["args"] == ["--model_name={{.Name}}"]
+
+
+@dataclass
+class BodyCase:
+    name: str
+    runtime: str
+    resources: ServeResources
+    gpu: str | None  # nvidia.com/gpu requested and limited
+    backend_flag: bool
+
+
+BODY_CASES = [
+    BodyCase("hf-cpu", "huggingface", ServeResources("2", "8Gi"), None, True),
+    # on a GPU the runtime's `auto` backend may pick vLLM
+    BodyCase(
+        "hf-gpu", "huggingface", ServeResources("4", "24Gi", gpus=2, max_replicas=3), "2", False
+    ),
+    BodyCase("custom-cpu", "custom", ServeResources("500m", "2Gi", min_replicas=0), None, False),
+    BodyCase("custom-gpu", "custom", ServeResources("1", "4Gi", gpus=1), "1", False),
+]
+
+
+@pytest.mark.parametrize("case", BODY_CASES, ids=lambda c: c.name)
+def test_resources_replicas_and_gpus_come_from_the_request(
+    case: BodyCase, fake_k8s: FakeK8s
+) -> None:
+    body = build_inferenceservice(request(runtime=case.runtime, resources=case.resources))
+
     assert fake_k8s.validate("inferenceservices", body) == []
     predictor = body["spec"]["predictor"]
-    (container,) = predictor["containers"]
-    assert container["name"] == "kserve-container"
-    assert container["image"] == "ghcr.io/example/kubellm-serve:test"
-    assert [*container["command"], *container["args"]] == [
-        "kubellm",
-        "serve",
-        "/mnt/models",
-        "--name",
-        "llm",
-        "--host",
-        "0.0.0.0",
-        "--port",
-        "8080",
-    ]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["STORAGE_URI"] == "pvc://kubellm-workspace/models/llm"
-    assert predictor["securityContext"]["runAsNonRoot"] is True
-    assert set(container["resources"]["requests"]) == {"cpu", "memory"}
-    assert body["metadata"]["annotations"]["kubellm/run-tag"] == "run-1"
+    res = case.resources
+    assert (predictor["minReplicas"], predictor["maxReplicas"]) == (
+        res.min_replicas,
+        res.max_replicas,
+    )
+    container = predictor["model"] if case.runtime == "huggingface" else predictor["containers"][0]
+    want = {"cpu": res.cpu, "memory": res.memory}
+    if case.gpu:
+        want["nvidia.com/gpu"] = case.gpu
+    assert container["resources"] == {"requests": want, "limits": want}
+    if case.runtime == "huggingface":
+        assert ("--backend=huggingface" in container["args"]) is case.backend_flag
+    else:
+        assert "model" not in predictor
+        assert container["name"] == "kserve-container"
+        assert [*container["command"], *container["args"]] == [
+            "kubellm",
+            "serve",
+            "/mnt/models",
+            "--name",
+            "llm",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8080",
+        ]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env == {"STORAGE_URI": "pvc://kubellm-workspace/serve/v1", "HOME": "/tmp"}
+        assert predictor["securityContext"]["runAsUser"] == 10001  # our images' user
+
+
+@pytest.mark.parametrize("share", [0, 10, 100])
+def test_a_canary_body_carries_the_share(share: int, fake_k8s: FakeK8s) -> None:
+    body = build_inferenceservice(request(canary_traffic_percent=share), canary=True)
+    assert fake_k8s.validate("inferenceservices", body) == []
+    assert body["spec"]["predictor"]["canaryTrafficPercent"] == share
+
+
+@dataclass
+class BadRequest:
+    name: str
+    overrides: dict[str, Any]
+    match: str
+
+
+BAD_REQUESTS = [
+    # inference_service_validation.go IsvcNameFmt
+    BadRequest("name-starts-with-digit", {"name": "1llm"}, "DNS-1035"),
+    BadRequest("name-with-dot", {"name": "llm.v2"}, "DNS-1035"),
+    # utils.go SupportedStorageURIPrefixList (the controller refuses others, silently)
+    BadRequest("unknown-scheme", {"model_uri": "ftp://host/model"}, "storage initializer"),
+    BadRequest("custom-without-image", {"runtime": "custom", "image": ""}, "serving image"),
+    # Knative's route validation: a traffic percent within 0..100
+    BadRequest("share-above-100", {"canary_traffic_percent": 120}, "0..100"),
+    # component.go validateReplicas
+    BadRequest("min-above-max", {"resources": ServeResources(min_replicas=3)}, "min_replicas"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=lambda c: c.name)
+def test_requests_kserve_would_refuse_fail_before_anything_is_sent(case: BadRequest) -> None:
+    with pytest.raises(ValueError, match=case.match):
+        build_inferenceservice(request(**case.overrides))
+
+
+@dataclass
+class WebhookCase:
+    name: str
+    mutate: Any
+    message: str
+
+
+def _both(b: dict[str, Any]) -> None:
+    custom = build_inferenceservice(request(runtime="custom"))
+    b["spec"]["predictor"]["containers"] = custom["spec"]["predictor"]["containers"]
+
+
+WEBHOOK_CASES = [
+    WebhookCase("model-and-containers", _both, "exactly one of"),
+    WebhookCase(
+        "model-name", lambda b: b["spec"]["predictor"]["model"].update(name="x"), "'name' field"
+    ),
+    WebhookCase(
+        "min-above-max",
+        lambda b: b["spec"]["predictor"].update(minReplicas=5),
+        "cannot be greater than MaxReplicas",
+    ),
+    WebhookCase(
+        "name-format", lambda b: b["metadata"].update(name="x9.y"), "a InferenceService name"
+    ),
+    WebhookCase(
+        "percent-as-string",
+        lambda b: b["spec"]["predictor"].update(canaryTrafficPercent="10"),
+        "canaryTrafficPercent",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", WEBHOOK_CASES, ids=lambda c: c.name)
+def test_the_fake_refuses_what_kserves_webhook_refuses(
+    case: WebhookCase, fake_k8s: FakeK8s
+) -> None:
+    """The fake API server's InferenceService checks: the CRD schema plus the validating
+    webhook's rules (pkg/apis/serving/v1beta1/inference_service_validation.go)."""
+    body = build_inferenceservice(request())
+    case.mutate(body)
+    errors = fake_k8s.validate("inferenceservices", body)
+    assert any(case.message in e for e in errors), errors
+
+
+# ---------------------------------------------------------------- first deployments
 
 
 @dataclass
 class UrlCase:
     name: str
     cluster_local: bool
-    status: dict[str, Any]
     url: str
 
 
-URL_CASES = [
-    UrlCase("external-url", False, READY, URL),
-    UrlCase("cluster-local", True, READY, ADDRESS),
-    UrlCase("address-only", False, {**READY, "url": None}, ADDRESS),
-]
+URL_CASES = [UrlCase("cluster-local", True, ADDRESS), UrlCase("ingress", False, URL)]
 
 
 @pytest.mark.parametrize("case", URL_CASES, ids=lambda c: c.name)
-def test_deploy_waits_for_ready_and_returns_the_endpoint(
+def test_first_deploy_creates_with_all_traffic_and_waits_for_ready(
     case: UrlCase, fake_k8s: FakeK8s, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    status = {k: v for k, v in case.status.items() if v is not None}
-    fake_k8s.script_status("inferenceservices", "llm", [{}, NOT_READY, status])
+    fake_k8s.script_status("inferenceservices", "llm", [{}, STARTING, SERVING], namespace=NS)
 
-    endpoint = server(fake_k8s, cluster_local=case.cluster_local).deploy(request())
+    rollout = server(fake_k8s, cluster_local=case.cluster_local).deploy(request())
 
-    assert endpoint.name == "llm"
-    assert endpoint.url == case.url
-    assert endpoint.predict_url == f"{case.url}/v1/models/llm:predict"
-    assert fake_k8s.errors == []
+    assert rollout.canary is False and rollout.previous == ""
+    assert rollout.endpoint.name == "llm"
+    assert rollout.endpoint.url == case.url
+    assert rollout.endpoint.ready_url == f"{case.url}/v1/models/llm"
+    (created,) = fake_k8s.created("inferenceservices")
+    assert "canaryTrafficPercent" not in created["spec"]["predictor"]
+    assert puts(fake_k8s) == []
     out = capsys.readouterr().out
-    assert "inferenceservice/llm: Ready=False (RevisionMissing" in out
-    assert "inferenceservice/llm: Ready\n" in out
-
-
-def test_redeploy_replaces_and_waits_for_the_new_generation(fake_k8s: FakeK8s) -> None:
-    fake_k8s.script_status("inferenceservices", "llm", [READY])
-    srv = server(fake_k8s)
-    srv.deploy(request())
-    # The old Ready (generation 1) must not end the wait for generation 2. Statuses are
-    # served per GET: create_or_replace reads the object once before its PUT.
-    stale, fresh = READY, {**READY, "observedGeneration": 2}
-    fake_k8s.script_status("inferenceservices", "llm", [stale, stale, fresh])
-
-    srv.deploy(request(image="ghcr.io/example/kubellm-serve:v2"))
-
-    obj = fake_k8s.get_object("inferenceservices", "llm")
-    assert obj is not None and obj["metadata"]["generation"] == 2
-    assert obj["spec"]["predictor"]["containers"][0]["image"].endswith(":v2")
-    calls = [r.method for r in fake_k8s.requests if "/inferenceservices" in r.path]
-    put = len(calls) - 1 - calls[::-1].index("PUT")
-    assert calls[put + 1 :] == ["GET", "GET"]  # polled past the stale Ready
+    assert "inferenceservice/llm: Ready=Unknown (RevisionMissing" in out
+    assert f"inferenceservice/llm: Ready [traffic {REV1} 100% (latest)]" in out
     assert fake_k8s.errors == []
 
 
-def test_model_that_cannot_load_raises_with_reason(fake_k8s: FakeK8s) -> None:
-    fake_k8s.script_status("inferenceservices", "llm", [NOT_READY, BLOCKED])
-
-    with pytest.raises(JobFailed, match=r"ModelLoadFailed: no config\.json") as info:
-        server(fake_k8s).deploy(request())
-
-    assert not isinstance(info.value, JobTimeout)
-    assert fake_k8s.errors == []
+def test_cluster_local_address_is_the_default(fake_k8s: FakeK8s) -> None:
+    fake_k8s.script_status("inferenceservices", "llm", [SERVING], namespace=NS)
+    srv = InferenceServiceServer(fake_k8s.api_client(), poll_interval_s=POLL_S)
+    assert srv.cluster_local is True
+    assert srv.deploy(request()).endpoint.url == ADDRESS
 
 
-def test_timeout_reports_why_not_ready_and_deletes(fake_k8s: FakeK8s) -> None:
-    fake_k8s.script_status("inferenceservices", "llm", [NOT_READY])
+@dataclass
+class FirstFailure:
+    name: str
+    statuses: list[dict[str, Any]]
+    timeout_s: float
+    error: type[JobFailed]
+    match: str
+
+
+FIRST_FAILURES = [
+    FirstFailure(
+        "cannot-load", [STARTING, FAILED_FIRST], 10.0, JobFailed, r"ModelLoadFailed: no config"
+    ),
+    FirstFailure(
+        "timeout", [STARTING], 0.3, JobTimeout, r"within 0.3s.*RevisionMissing.*waiting for"
+    ),
+]
+
+
+@pytest.mark.parametrize("case", FIRST_FAILURES, ids=lambda c: c.name)
+def test_a_first_deploy_that_never_serves_is_deleted_with_the_reason(
+    case: FirstFailure, fake_k8s: FakeK8s
+) -> None:
+    fake_k8s.script_status("inferenceservices", "llm", case.statuses, namespace=NS)
     start = time.monotonic()
 
-    with pytest.raises(JobTimeout, match=r"within 0.3s.*RevisionMissing.*ready Revision"):
-        server(fake_k8s).deploy(request(timeout_s=0.3))
+    with pytest.raises(case.error, match=case.match) as info:
+        server(fake_k8s).deploy(request(timeout_s=case.timeout_s))
 
-    assert time.monotonic() - start < 3.0
-    assert ("inferenceservices", "default", "llm") in fake_k8s.deleted
+    assert "it has been deleted" in str(info.value)
+    assert case.error is JobTimeout or not isinstance(info.value, JobTimeout)
+    assert ("inferenceservices", NS, "llm") in fake_k8s.deleted
+    assert time.monotonic() - start < 5.0
+    assert fake_k8s.errors == []
+
+
+# ---------------------------------------------------------------- canaries
+
+
+@dataclass
+class CanaryCase:
+    name: str
+    cluster_local: bool
+    endpoint: str
+
+
+CANARY_CASES = [
+    # Knative makes a Service `<tag>-<route>` per tag (knative docs, "Creating and using
+    # Subroutes"): the cluster-local address of the `latest` tag.
+    CanaryCase("cluster-local", True, "http://latest-llm-predictor.default.svc.cluster.local"),
+    CanaryCase("ingress", False, "http://latest-llm-predictor.default.example.com"),
+]
+
+
+@pytest.mark.parametrize("case", CANARY_CASES, ids=lambda c: c.name)
+def test_second_deploy_is_a_canary_beside_the_serving_revision(
+    case: CanaryCase, fake_k8s: FakeK8s
+) -> None:
+    stored(fake_k8s, SERVING)
+    # The stale Ready of REV1 (read twice, before the update) must not end the wait.
+    fake_k8s.script_status(
+        "inferenceservices", "llm", [SERVING, SERVING, CANARY_STARTING, CANARY], namespace=NS
+    )
+
+    srv = server(fake_k8s, cluster_local=case.cluster_local)
+    rollout = srv.deploy(request(model_uri="pvc://kubellm-workspace/serve/v2", version="2"))
+
+    assert rollout.canary is True
+    assert rollout.previous == REV1
+    assert rollout.endpoint.url == case.endpoint
+    (update,) = puts(fake_k8s)
+    assert percent_sent(update) == 10
+    assert update["spec"]["predictor"]["model"]["storageUri"].endswith("/serve/v2")
+    assert update["metadata"]["annotations"]["kubellm/model-version"] == "2"
+    assert update["metadata"]["resourceVersion"]  # optimistic concurrency
+    assert fake_k8s.deleted == []
+    assert fake_k8s.errors == []
+
+
+def test_a_canary_that_fails_gets_no_traffic_and_nothing_is_deleted(fake_k8s: FakeK8s) -> None:
+    stored(fake_k8s, SERVING)
+    fake_k8s.script_status(
+        "inferenceservices",
+        "llm",
+        [SERVING, SERVING, CANARY_STARTING, CANARY_FAILED, CANARY_FAILED, ROLLED_BACK_FAILED],
+        namespace=NS,
+    )
+
+    with pytest.raises(JobFailed, match=r"canary revision llm-predictor-00002 failed") as info:
+        server(fake_k8s).deploy(request(model_uri="pvc://kubellm-workspace/serve/v2"))
+
+    assert "ModelLoadFailed: no config.json" in str(info.value)
+    assert f"traffic back on revision {REV1}" in str(info.value)
+    assert [percent_sent(b) for b in puts(fake_k8s)] == [10, 0]  # KServe's rollback: 0
+    assert fake_k8s.deleted == []
+    assert fake_k8s.errors == []
+
+
+def test_a_canary_that_times_out_is_rolled_back_not_deleted(fake_k8s: FakeK8s) -> None:
+    stored(fake_k8s, SERVING)
+    fake_k8s.script_status(
+        "inferenceservices", "llm", [SERVING, SERVING, CANARY_STARTING], namespace=NS
+    )
+
+    def roll_back_when_told() -> None:  # KServe answers the 0% with REV1 at 100%
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if any(percent_sent(b) == 0 for b in puts(fake_k8s)):
+                fake_k8s.script_status("inferenceservices", "llm", [ROLLED_BACK], namespace=NS)
+                return
+            time.sleep(0.01)
+
+    import threading
+
+    helper = threading.Thread(target=roll_back_when_told)
+    helper.start()
+    with pytest.raises(JobTimeout, match=r"did not become ready within 0.5s") as info:
+        server(fake_k8s).deploy(
+            request(model_uri="pvc://kubellm-workspace/serve/v2", timeout_s=0.5)
+        )
+    helper.join()
+
+    assert f"traffic back on revision {REV1}" in str(info.value)
+    assert fake_k8s.deleted == []
+
+
+def test_a_failure_left_from_an_earlier_canary_is_not_this_ones(fake_k8s: FakeK8s) -> None:
+    """REV2 failed and was rolled back (0%); its BlockedByFailedLoad is still in the status
+    when REV3 goes out. Only a verdict about a revision created since counts."""
+    stored(fake_k8s, ROLLED_BACK_FAILED)
+    canary3 = copy.deepcopy(CANARY)
+    pred = canary3["components"]["predictor"]
+    pred.update(latestCreatedRevision=REV3, latestReadyRevision=REV3)
+    pred["traffic"] = [target("latest", REV3, 10, True), target("prev", REV1, 90, False)]
+    canary3["observedGeneration"] = 3
+    fake_k8s.script_status(
+        "inferenceservices",
+        "llm",
+        [ROLLED_BACK_FAILED, ROLLED_BACK_FAILED, ROLLED_BACK_FAILED, canary3],
+        namespace=NS,
+    )
+
+    rollout = server(fake_k8s).deploy(request(model_uri="pvc://kubellm-workspace/serve/v3"))
+
+    assert rollout.canary is True and rollout.previous == REV1
+    assert fake_k8s.errors == []
+
+
+def test_redeploying_what_serves_changes_nothing(fake_k8s: FakeK8s) -> None:
+    stored(fake_k8s, SERVING)
+
+    rollout = server(fake_k8s).deploy(request())  # the same model, run and version
+
+    assert rollout.canary is False and rollout.endpoint.url == ADDRESS
+    assert puts(fake_k8s) == [] and fake_k8s.deleted == []
+
+
+def test_a_raw_deployment_has_no_canary_so_nothing_changes(fake_k8s: FakeK8s) -> None:
+    stored(fake_k8s, {**SERVING, "deploymentMode": "RawDeployment"})
+
+    with pytest.raises(JobFailed, match=r"RawDeployment deployment mode.*still serves"):
+        server(fake_k8s).deploy(request(model_uri="pvc://kubellm-workspace/serve/v2"))
+
+    assert puts(fake_k8s) == [] and fake_k8s.deleted == []
+
+
+# ---------------------------------------------------------------- promote
+
+
+def test_promote_removes_the_canary_share_and_waits_for_the_rollout(fake_k8s: FakeK8s) -> None:
+    stored(fake_k8s, CANARY)
+    fake_k8s.script_status("inferenceservices", "llm", [CANARY, CANARY, PROMOTED], namespace=NS)
+
+    endpoint = server(fake_k8s).promote("llm", NS)
+
+    assert endpoint.url == ADDRESS and endpoint.name == "llm"
+    (update,) = puts(fake_k8s)
+    # KServe's promotion: no canaryTrafficPercent, all traffic to the latest ready revision
+    assert percent_sent(update) == "absent"
+    assert fake_k8s.deleted == []
+
+
+def test_promote_refuses_a_revision_that_is_not_ready(fake_k8s: FakeK8s) -> None:
+    stored(fake_k8s, CANARY_FAILED)
+
+    with pytest.raises(JobFailed, match=r"llm-predictor-00002 is not ready, nothing to promote"):
+        server(fake_k8s).promote("llm", NS)
+
+    assert puts(fake_k8s) == []
+
+
+# ---------------------------------------------------------------- rollback
+
+
+@dataclass
+class RollbackCase:
+    name: str
+    status: dict[str, Any] | None  # None: no InferenceService
+    run_tag: str
+    then: list[dict[str, Any]] = field(default_factory=list)  # statuses after the update
+    percents: list[Any] = field(default_factory=list)  # canaryTrafficPercent sent
+    deleted: bool = False
+    says: str = ""
+
+
+ROLLBACK_CASES = [
+    RollbackCase(
+        "canary-back-to-previous",
+        CANARY,
+        "run-1",
+        [CANARY, CANARY, ROLLED_BACK],
+        [0],
+        says=f"traffic back on revision {REV1} (revision {REV2} gets 0%)",
+    ),
+    RollbackCase(
+        "canary-any-run",
+        CANARY,
+        "",
+        [CANARY, CANARY, ROLLED_BACK],
+        [0],
+        says=f"traffic back on revision {REV1}",
+    ),
+    # promoted already: PropagateStatus moves latestRolledoutRevision back to the previous
+    RollbackCase(
+        "promoted-back-to-previous",
+        PROMOTED,
+        "run-1",
+        [PROMOTED, PROMOTED, ROLLED_BACK],
+        [0],
+        says=f"traffic back on revision {REV1}",
+    ),
+    RollbackCase("canary-of-another-run-kept", CANARY, "run-2", says="kept as it is: run 'run-1'"),
+    RollbackCase("first-deploy-removed", SERVING, "run-1", deleted=True, says="removed: its first"),
+    RollbackCase(
+        "first-deploy-of-another-run-kept", SERVING, "run-2", says="kept as it is: run 'run-1'"
+    ),
+    RollbackCase("not-there", None, "run-1", says="not found: nothing to roll back"),
+]
+
+
+@pytest.mark.parametrize("case", ROLLBACK_CASES, ids=lambda c: c.name)
+def test_rollback_never_deletes_while_a_previous_revision_serves(
+    case: RollbackCase, fake_k8s: FakeK8s
+) -> None:
+    if case.status is not None:
+        stored(fake_k8s, case.status)
+    if case.then:
+        fake_k8s.script_status("inferenceservices", "llm", case.then, namespace=NS)
+
+    said = server(fake_k8s).rollback("llm", case.run_tag, NS)  # a fresh server: another step
+
+    assert case.says in said
+    assert [percent_sent(b) for b in puts(fake_k8s)] == case.percents
+    gone = ("inferenceservices", NS, "llm") in fake_k8s.deleted
+    assert gone is case.deleted
+    assert fake_k8s.errors == []
+
+
+# ---------------------------------------------------------------- addresses and delete
+
+
+@dataclass
+class TagCase:
+    name: str
+    address: str
+    cluster_local: bool
+    url: str
+
+
+TAG_CASES = [
+    TagCase(
+        "service-name",
+        PREDICTOR_ADDRESS,
+        True,
+        "http://latest-llm-predictor.default.svc.cluster.local",
+    ),
+    TagCase(
+        "custom-cluster-domain",
+        "http://llm-predictor.ns.svc.corp:8012",
+        True,
+        "http://latest-llm-predictor.ns.svc.corp:8012",
+    ),
+    TagCase("ingress", PREDICTOR_ADDRESS, False, "http://latest-llm-predictor.default.example.com"),
+    # an address that is no Service name (the simulated cluster's 127.0.0.1): the tag's URL
+    TagCase(
+        "ip-address",
+        "http://127.0.0.1:4711",
+        True,
+        "http://latest-llm-predictor.default.example.com",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", TAG_CASES, ids=lambda c: c.name)
+def test_the_address_of_a_tagged_revision(case: TagCase) -> None:
+    obj = {"status": copy.deepcopy(CANARY)}
+    obj["status"]["components"]["predictor"]["address"] = {"url": case.address}
+    assert tag_url(obj, "latest", case.cluster_local) == case.url
 
 
 @dataclass
@@ -195,7 +769,7 @@ class DeleteCase:
     ids=lambda c: c.name,
 )
 def test_delete_only_what_the_run_owns(case: DeleteCase, fake_k8s: FakeK8s) -> None:
-    fake_k8s.script_status("inferenceservices", "llm", [READY])
+    fake_k8s.script_status("inferenceservices", "llm", [SERVING], namespace=NS)
     server(fake_k8s).deploy(request(run_tag="run-1"))
 
     server(fake_k8s).delete("llm", run_tag=case.run_tag)  # a fresh server: cleanup step

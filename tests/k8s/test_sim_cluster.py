@@ -597,15 +597,24 @@ def test_inference_service_that_cannot_load_is_blocked_with_the_reason(sim: SimC
     assert "no config.json in" in info["message"]
     assert "no config.json" in condition({"status": status}, "Ready")["message"]
 
+    # a model format no installed runtime supports (the sim has KServe's Hugging Face one):
+    # components/predictor.go reconcileModel, conditions left as initialized (Unknown)
     runtime = isvc("m3", "")
     runtime["spec"]["predictor"] = {
-        "model": {"modelFormat": {"name": "huggingface"}, "storageUri": "pvc://ws/m"}
+        "model": {"modelFormat": {"name": "sklearn"}, "storageUri": "pvc://ws/m"}
     }
     api.create_namespaced_custom_object(*ISVCS, runtime)
-    sim.wait_for(lambda: condition(sim.fake.get_object("inferenceservices", "m3"), "Ready"))
+    sim.wait_for(
+        lambda: (
+            (sim.fake.get_object("inferenceservices", "m3") or {})
+            .get("status", {})
+            .get("modelStatus")
+        )
+    )
     status = sim.fake.get_object("inferenceservices", "m3")["status"]
-    assert condition({"status": status}, "Ready")["reason"] == "InvalidSpec"
+    assert condition({"status": status}, "Ready")["status"] == "Unknown"
     assert status["modelStatus"]["transitionStatus"] == "InvalidSpec"
+    assert status["modelStatus"]["lastFailureInfo"]["reason"] == "NoSupportingRuntime"
 
 
 # ---------------------------------------------------------------- child processes

@@ -24,8 +24,9 @@ import requests
 
 from kubellm.backends.base import JobFailed, JobTimeout, ServeRequest
 from kubellm.backends.local.model_server import LocalModelServer
-from kubellm.serve.client import Endpoint
-from kubellm.serve.generate import complete, load_model
+from kubellm.serve.client import Endpoint, ask
+from kubellm.serve.generate import greedy_with_margins
+from serve.compare import assert_same_greedy
 
 RUN_TAG = "t1"
 PROMPTS = ["12+7=", "3+4=", "45+6=", "99+1=", "10+20="]
@@ -101,17 +102,12 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         endpoint = server.deploy(
             ServeRequest(name="tiny", model_uri=str(tiny_model_dir), run_tag=RUN_TAG, timeout_s=120)
-        )
+        ).endpoint
         state = json.loads((state_dir / f"tiny-{RUN_TAG}.json").read_text())
         yield Served(server, endpoint, int(state["pid"]))
     finally:
         server.release(RUN_TAG)
         _kill_leftovers(before, state_dir)
-
-
-@pytest.fixture(scope="module")
-def in_process(tiny_model_dir: Path) -> tuple[Any, Any]:
-    return load_model(tiny_model_dir)
 
 
 def test_deploy_returns_a_loopback_endpoint(served: Served) -> None:
@@ -131,17 +127,36 @@ def test_model_reports_ready(served: Served) -> None:
 def test_predictions_match_in_process_completion(
     served: Served, in_process: tuple[Any, Any]
 ) -> None:
-    body = {"instances": [{"prompt": p, "max_new_tokens": 6} for p in PROMPTS]}
+    budgets = [6, 2, 6, 4, 6]
+    body = {
+        "instances": [
+            {"prompt": p, "max_new_tokens": n} for p, n in zip(PROMPTS, budgets, strict=True)
+        ]
+    }
     r = requests.post(served.endpoint.predict_url, json=body, timeout=60)
     assert r.status_code == 200, r.text
     predictions = r.json()["predictions"]
     assert len(predictions) == len(PROMPTS)
     model, tokenizer = in_process
-    assert predictions == complete(model, tokenizer, PROMPTS, max_new_tokens=6)
+    # each instance keeps its own max_new_tokens
+    expected = [
+        greedy_with_margins(model, tokenizer, [p], n)[0]
+        for p, n in zip(PROMPTS, budgets, strict=True)
+    ]
+    assert_same_greedy(predictions, expected, "predictions")
     # plain string instances take the default of 8 new tokens
     r = requests.post(served.endpoint.predict_url, json={"instances": PROMPTS[:2]}, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["predictions"] == complete(model, tokenizer, PROMPTS[:2], max_new_tokens=8)
+    expected = greedy_with_margins(model, tokenizer, PROMPTS[:2], 8)
+    assert_same_greedy(r.json()["predictions"], expected, "default budget")
+
+
+def test_the_smoke_test_client_gets_the_in_process_answers(
+    served: Served, in_process: tuple[Any, Any]
+) -> None:
+    """kubellm.serve.client speaks the OpenAI completions route (what the smoke test uses)."""
+    answers = ask(served.endpoint, PROMPTS, max_new_tokens=6)
+    assert_same_greedy(answers, greedy_with_margins(*in_process, PROMPTS, 6), "client.ask")
 
 
 @pytest.mark.parametrize(
@@ -154,8 +169,9 @@ def test_predictions_match_in_process_completion(
             'instances[0] must be a string or have a string "prompt"',
         ),
         ({"instances": [{"prompt": "1+2=", "max_new_tokens": 10_000}]}, "max_new_tokens"),
+        ({"instances": ["1+2=", ""]}, "instances[1].prompt is empty"),
     ],
-    ids=["empty", "no-instances", "no-prompt", "max-new-tokens"],
+    ids=["empty", "no-instances", "no-prompt", "max-new-tokens", "empty-prompt"],
 )
 def test_bad_payload_is_a_400_naming_why(served: Served, body: Any, reason: str) -> None:
     r = requests.post(served.endpoint.predict_url, json=body, timeout=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,15 @@ from typing import Any
 import pytest
 from kserve.errors import InvalidInput
 
-from kubellm.serve.generate import complete, load_model
-from kubellm.serve.model import MAX_INSTANCES, MAX_NEW_TOKENS, CausalLMModel, parse_instances
+from kubellm.serve.generate import complete, greedy_with_margins, load_model
+from kubellm.serve.model import (
+    MAX_INSTANCES,
+    MAX_NEW_TOKENS,
+    CausalLMModel,
+    Instance,
+    parse_instances,
+)
+from serve.compare import assert_same_greedy
 
 # Same token length (digits are one token each), so `complete` puts them in one batch.
 SAME_LENGTH = ["12+7=", "45+6=", "99+1=", "30+5="]
@@ -22,35 +30,40 @@ class Case:
     name: str
     payload: Any
     prompts: list[str] | None = None  # expected prompts on success
-    max_new: int | None = None  # expected max_new_tokens on success
+    max_new: list[int] | None = None  # expected max_new_tokens of each instance on success
     error: str | None = None  # substring of the InvalidInput message on failure
 
 
 CASES = [
-    Case("strings", {"instances": ["1+2=", "3+4="]}, ["1+2=", "3+4="], 8),
-    Case("dict default", {"instances": [{"prompt": "1+2="}]}, ["1+2="], 8),
-    Case("dict with max", {"instances": [{"prompt": "a", "max_new_tokens": 3}]}, ["a"], 3),
-    Case("lower bound", {"instances": [{"prompt": "a", "max_new_tokens": 1}]}, ["a"], 1),
+    Case("strings", {"instances": ["1+2=", "3+4="]}, ["1+2=", "3+4="], [8, 8]),
+    Case("dict default", {"instances": [{"prompt": "1+2="}]}, ["1+2="], [8]),
+    Case("dict with max", {"instances": [{"prompt": "a", "max_new_tokens": 3}]}, ["a"], [3]),
+    Case("lower bound", {"instances": [{"prompt": "a", "max_new_tokens": 1}]}, ["a"], [1]),
     Case(
         "upper bound",
         {"instances": [{"prompt": "a", "max_new_tokens": MAX_NEW_TOKENS}]},
         ["a"],
-        MAX_NEW_TOKENS,
+        [MAX_NEW_TOKENS],
     ),
     Case(
-        "largest max wins",
+        "each keeps its own max",
         {"instances": [{"prompt": "a", "max_new_tokens": 3}, {"prompt": "b", "max_new_tokens": 5}]},
         ["a", "b"],
-        5,
+        [3, 5],
     ),
     Case(
-        "largest max wins, reversed",
+        "each keeps its own max, reversed",
         {"instances": [{"prompt": "a", "max_new_tokens": 5}, {"prompt": "b", "max_new_tokens": 3}]},
         ["a", "b"],
-        5,
+        [5, 3],
     ),
-    Case("empty prompt is a prompt", {"instances": [""]}, [""], 8),
-    Case("max instances", {"instances": ["x"] * MAX_INSTANCES}, ["x"] * MAX_INSTANCES, 8),
+    Case("max instances", {"instances": ["x"] * MAX_INSTANCES}, ["x"] * MAX_INSTANCES, [8] * 256),
+    Case("empty prompt", {"instances": [""]}, error="instances[0].prompt is empty"),
+    Case(
+        "empty prompt in a dict",
+        {"instances": ["a", {"prompt": "", "max_new_tokens": 3}]},
+        error="instances[1].prompt is empty",
+    ),
     Case("not an object", ["1+2="], error='"instances" list'),
     Case("no instances key", {"inputs": ["1+2="]}, error='"instances" list'),
     Case("instances not a list", {"instances": "1+2="}, error='"instances" list'),
@@ -62,21 +75,26 @@ CASES = [
     Case(
         "max_new_tokens zero",
         {"instances": [{"prompt": "a", "max_new_tokens": 0}]},
-        error=f"instances[0].max_new_tokens must be 1..{MAX_NEW_TOKENS}",
+        error=f"instances[0].max_new_tokens must be an integer 1..{MAX_NEW_TOKENS}",
     ),
     Case(
         "max_new_tokens too big",
         {"instances": ["a", {"prompt": "b", "max_new_tokens": MAX_NEW_TOKENS + 1}]},
-        error=f"instances[1].max_new_tokens must be 1..{MAX_NEW_TOKENS}",
+        error=f"instances[1].max_new_tokens must be an integer 1..{MAX_NEW_TOKENS}",
     ),
     Case(
         "max_new_tokens a string",
         {"instances": [{"prompt": "a", "max_new_tokens": "8"}]},
-        error="instances[0].max_new_tokens",
+        error='instances[0].max_new_tokens must be an integer 1..256, not "8"',
     ),
     Case(
         "max_new_tokens a float",
         {"instances": [{"prompt": "a", "max_new_tokens": 8.0}]},
+        error="instances[0].max_new_tokens",
+    ),
+    Case(
+        "max_new_tokens a bool",
+        {"instances": [{"prompt": "a", "max_new_tokens": True}]},
         error="instances[0].max_new_tokens",
     ),
 ]
@@ -89,24 +107,17 @@ def test_parse_instances(case: Case) -> None:
             parse_instances(case.payload)
         assert case.error in str(info.value)
         return
-    assert parse_instances(case.payload) == (case.prompts, case.max_new)
+    assert case.prompts is not None and case.max_new is not None
+    assert parse_instances(case.payload) == [
+        Instance(p, n) for p, n in zip(case.prompts, case.max_new, strict=True)
+    ]
 
 
-ORDER_CASES = [
-    Case("string then dict", {"instances": ["a", {"prompt": "b", "max_new_tokens": 3}]}),
-    Case("dict then string", {"instances": [{"prompt": "b", "max_new_tokens": 3}, "a"]}),
-    Case(
-        "default then dict", {"instances": [{"prompt": "a"}, {"prompt": "b", "max_new_tokens": 3}]}
-    ),
-    Case(
-        "dict then default", {"instances": [{"prompt": "b", "max_new_tokens": 3}, {"prompt": "a"}]}
-    ),
-]
-
-
-def test_parse_instances_max_new_tokens_does_not_depend_on_order() -> None:
-    # An instance without max_new_tokens asks for the default (8); the batch takes the largest.
-    assert [parse_instances(c.payload)[1] for c in ORDER_CASES] == [8, 8, 8, 8]
+def test_parse_instances_takes_the_server_limit() -> None:
+    payload = {"instances": [{"prompt": "a", "max_new_tokens": 20}]}
+    assert parse_instances(payload, limit=20) == [Instance("a", 20)]
+    with pytest.raises(InvalidInput, match=r"must be an integer 1\.\.10, not 20"):
+        parse_instances(payload, limit=10)
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +149,69 @@ def test_complete_keeps_order_across_lengths(loaded: tuple[Any, Any]) -> None:
     assert out[2] == ""  # an empty prompt has nothing to continue
 
 
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[CausalLMModel]:
+    model = CausalLMModel("tiny", tiny_model_dir)
+    assert model.ready is False  # kserve's OpenAI base class would say ready before load
+    assert model.load() is True
+    assert model.ready is True
+    yield model
+    model.stop()
+    assert model.ready is False
+
+
 def test_causal_lm_model_predicts_what_complete_returns(
-    tiny_model_dir: Path, loaded: tuple[Any, Any]
+    served: CausalLMModel, loaded: tuple[Any, Any]
 ) -> None:
-    served = CausalLMModel("tiny", tiny_model_dir)
-    assert served.ready is False
-    assert served.load() is True
-    assert served.ready is True
-    payload = {"instances": [{"prompt": p, "max_new_tokens": 4} for p in SAME_LENGTH]}
+    budgets = [4, 1, 6, 4]
+    payload = {
+        "instances": [
+            {"prompt": p, "max_new_tokens": n} for p, n in zip(SAME_LENGTH, budgets, strict=True)
+        ]
+    }
     answer = asyncio.run(served.predict(payload))
     model, tokenizer = loaded
-    assert answer == {"predictions": complete(model, tokenizer, SAME_LENGTH, max_new_tokens=4)}
+    expected = [
+        greedy_with_margins(model, tokenizer, [p], n)[0]
+        for p, n in zip(SAME_LENGTH, budgets, strict=True)
+    ]
+    assert_same_greedy(answer["predictions"], expected, "predict")
+    assert [a for a, _ in expected] == [
+        complete(model, tokenizer, [p], n)[0] for p, n in zip(SAME_LENGTH, budgets, strict=True)
+    ]
+
+
+def test_greedy_with_margins_is_complete_with_gaps(loaded: tuple[Any, Any]) -> None:
+    model, tokenizer = loaded
+    prompts = ["1+2=", "12+7=", ""]
+    out = greedy_with_margins(model, tokenizer, prompts, 5)
+    assert [a for a, _ in out] == complete(model, tokenizer, prompts, 5)
+    assert all(0 <= gap < float("inf") for _, gap in out[:2])
+    assert out[2] == ("", float("inf"))  # nothing generated, nothing to compare
+
+
+def test_a_prompt_beyond_the_context_names_the_numbers(served: CausalLMModel) -> None:
+    payload = {"instances": [{"prompt": "1" * 60, "max_new_tokens": 10}]}
+    with pytest.raises(InvalidInput, match=r"60 tokens .* 70 tokens, beyond .* 64 tokens"):
+        asyncio.run(served.predict(payload))
+
+
+def test_chat_needs_a_chat_template(tiny_model_dir: Path, served: CausalLMModel) -> None:
+    from kserve.protocol.rest.openai.types import ChatCompletionRequest
+
+    request = ChatCompletionRequest(
+        model="tiny", messages=[{"role": "user", "content": "1+2="}], max_completion_tokens=2
+    )
+    ok = asyncio.run(served.create_chat_completion(request))
+    assert ok.choices[0].message.role == "assistant"
+    template = served.tokenizer.chat_template
+    served.tokenizer.chat_template = None
+    try:
+        refused = asyncio.run(served.create_chat_completion(request))
+    finally:
+        served.tokenizer.chat_template = template
+    assert refused.error.code == "400" and refused.error.param == "messages"
+    assert "has no chat template" in refused.error.message
 
 
 def test_load_model_refuses_a_directory_without_config(

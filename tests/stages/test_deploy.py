@@ -55,7 +55,8 @@ def test_on_a_cluster_an_object_store_version_goes_to_kserve_as_is(
 ) -> None:
     ws = PvcWorkspace("kubellm-workspace", RUN, mount=str(tmp_path))
     s3 = SimpleNamespace(source="s3://models/1/models/m-1/artifacts", version="3", name="x")
-    assert deploy.registry_model_uri(ws, ctx.tracker.client, s3) == s3.source
+    # its model/ folder: weights and tokenizer, the directory KServe's HF runtime loads
+    assert deploy.registry_model_uri(ws, ctx.tracker.client, s3) == f"{s3.source}/model"
     assert not (tmp_path / RUN / "serve").exists(), "nothing downloaded for KServe to fetch"
 
 

@@ -78,6 +78,9 @@ def test_logged_once_as_an_mlflow_model_of_the_register_run(
     assert (art / "model" / "model.safetensors").is_file()
     assert not list(art.rglob("*.bin")), "weights are safetensors only"
     assert (art / "components" / "tokenizer" / "tokenizer.json").is_file()
+    # model/ alone is a Hugging Face directory: what KServe's HF runtime gets as storageUri
+    tokenizer_files = {p.name for p in (art / "components" / "tokenizer").iterdir()}
+    assert tokenizer_files <= {p.name for p in (art / "model").iterdir()}
     requirements = (art / "requirements.txt").read_text().split()
     version = importlib.metadata.version("transformers")
     assert f"transformers=={version}" in requirements

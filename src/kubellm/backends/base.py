@@ -113,22 +113,69 @@ class Tuner(ABC):
 # -- serving -------------------------------------------------------------------------------
 
 
+SERVING_RUNTIMES = ("huggingface", "custom")
+
+
+@dataclass(frozen=True)
+class ServeResources:
+    """What each serving replica asks for (requests = limits) and how many replicas run:
+    KServe's predictor resources and minReplicas/maxReplicas. Local servers ignore them."""
+
+    cpu: str = "1"
+    memory: str = "4Gi"
+    gpus: int = 0  # nvidia.com/gpu per replica
+    min_replicas: int = 1  # 0 scales to zero; the smoke test's first call then waits for a pod
+    max_replicas: int = 1
+
+
 @dataclass(frozen=True)
 class ServeRequest:
     name: str  # model / InferenceService name (DNS-1123)
     model_uri: str  # local directory (local) or storage URI / pvc:// path (cluster)
     namespace: str = "default"
-    image: str = ""
+    image: str = ""  # the custom runtime's image (runtime="custom")
     timeout_s: float = 600.0
     run_tag: str = ""  # the pipeline run that owns the server (for cleanup)
+    version: str = ""  # the registered model version being served (for reports and rollback)
+    # "huggingface": KServe's Hugging Face serving runtime (modelFormat huggingface);
+    # "custom": our serving image running `kubellm serve`. Both answer the same routes.
+    runtime: Literal["huggingface", "custom"] = "huggingface"
+    # The new revision's share of traffic while it is smoke-tested, where a previous revision
+    # serves; a first deployment takes all traffic.
+    canary_traffic_percent: int = 10
+    resources: ServeResources = field(default_factory=ServeResources)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A deployment in progress: the new revision is ready but not yet promoted."""
+
+    endpoint: Endpoint  # the new revision's own address: what the smoke test calls
+    canary: bool = False  # a previous revision still serves the other traffic
+    previous: str = ""  # what serves the rest (a revision name), "" on a first deployment
 
 
 class Server(ABC):
-    """Serves a model directory behind the KServe V1 protocol (see kubellm.serve.client)."""
+    """Serves a model directory behind KServe's protocols (V1, V2 and OpenAI-compatible).
+
+    A deployment is two-phase: `deploy` brings the new version up (as a canary where a
+    previous revision serves), then the caller either `promote`s it to all traffic or
+    `rollback`s to the previous revision. Nothing that serves traffic is deleted while a
+    previous revision could serve instead.
+    """
 
     @abstractmethod
-    def deploy(self, request: ServeRequest) -> Endpoint:
-        """Start serving and return once the model answers readiness checks."""
+    def deploy(self, request: ServeRequest) -> Rollout:
+        """Start serving and return once the new revision answers readiness checks."""
+
+    @abstractmethod
+    def promote(self, name: str, namespace: str = "") -> Endpoint:
+        """The new revision of `name` takes all traffic; returns the public endpoint."""
+
+    @abstractmethod
+    def rollback(self, name: str, run_tag: str = "", namespace: str = "") -> str:
+        """Traffic back to the previous revision, or, with none, stop serving `name`;
+        returns what was done, for the failure message."""
 
     @abstractmethod
     def delete(self, name: str, run_tag: str = "") -> None:

@@ -14,6 +14,12 @@ from transformers import PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
+# A plain "role: content" transcript, so a model trained here answers OpenAI chat requests
+# (servers refuse chat for a tokenizer without a template).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -34,9 +40,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD, padding_side="left"
     )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:

@@ -1,12 +1,15 @@
-"""Greedy completion of prompts, shared by evaluate and the model server.
+"""Greedy completion of prompts in-process: what evaluate reports, and what the smoke test
+compares the served answers with (the server itself generates in kubellm.serve.engine).
 
-Prompts are grouped by token length, so no batch carries padding. Both callers default to
-one prompt per forward pass: a CPU matmul's rounding can depend on the batch size, and the
-smoke test compares the served answers with the evaluated ones token for token.
+Prompts are grouped by token length, so no batch carries padding. Callers default to one
+prompt per forward pass: a CPU matmul's rounding can depend on the batch size, and the smoke
+test compares the served answers with the evaluated ones token for token, excusing only
+near-ties (`greedy_with_margins`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -58,4 +61,40 @@ def complete(
             texts = tokenizer.batch_decode(gen[:, length:], skip_special_tokens=True)
             for i, text in zip(chunk, texts, strict=True):
                 out[i] = text.strip()
+    return out
+
+
+@torch.no_grad()
+def greedy_with_margins(
+    model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 8
+) -> list[tuple[str, float]]:
+    """What `complete` returns (one prompt per forward pass), each with the smallest gap
+    between its top two logits over the generated steps (inf when nothing was generated).
+
+    A server that batches requests may flip a token where that gap is within rounding (about
+    1e-4); callers comparing served answers with these excuse such near-ties.
+    """
+    out: list[tuple[str, float]] = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not ids:
+            out.append(("", math.inf))
+            continue
+        x = torch.tensor([ids], dtype=torch.long)
+        gen = model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        margin = math.inf
+        for step in gen.logits:  # raw logits, one [1, vocab] tensor per generated token
+            top2 = step[0].float().topk(2).values
+            margin = min(margin, float(top2[0] - top2[1]))
+        text = tokenizer.decode(gen.sequences[0, len(ids) :], skip_special_tokens=True)
+        out.append((text.strip(), margin))
     return out

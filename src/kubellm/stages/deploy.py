@@ -4,6 +4,10 @@ until it answers readiness.
 What is served is the registry's copy of the version (kubellm.registry), never a run's
 workspace folder, so `kubellm promote` (a rollback) deploys an older version by the same
 code: `registry_model_uri` then `serve_request` then the platform's Server.
+
+Where a previous version serves (a cluster), the new one goes out as a canary with
+`canary_traffic_percent` of the traffic; the smoke test calls the canary's own address and
+then promotes it or rolls traffic back (kubellm.stages.smoke_test).
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from kubellm.backends.base import ServeRequest, Workspace
+from kubellm.backends.base import ServeRequest, ServeResources, Workspace
 from kubellm.config import PipelineConfig
 from kubellm.registry import download_hf_dir, get_version, is_object_store
+from kubellm.serve.layout import WEIGHTS_DIR
 from kubellm.stages.context import StageContext, StageResult, markdown_table
 
 # The model version remembers where it was last served from (promote on a cluster reuses it).
@@ -25,12 +30,17 @@ TAG_SERVING_URI = "kubellm.serving_uri"
 
 @dataclass
 class Result(StageResult):
-    endpoint: str = ""
+    endpoint: str = ""  # the new version's own address (the canary's): the smoke test's
     model_uri: str = ""  # what the server was given
+    canary: bool = False  # a previous version serves the rest of the traffic
+    previous: str = ""  # what that previous version is (a revision), "" on a first deploy
 
 
-def serve_request(cfg: PipelineConfig, model_uri: str, kfp_run_id: str) -> ServeRequest:
-    """The deployment of `model_uri` under the run's model name."""
+def serve_request(
+    cfg: PipelineConfig, model_uri: str, kfp_run_id: str, version: str = ""
+) -> ServeRequest:
+    """The deployment of `model_uri` (registered version `version`) under the run's model
+    name, with the pipeline's serving runtime, resources, replicas and canary share."""
     return ServeRequest(
         name=cfg.model_name,
         model_uri=model_uri,
@@ -38,6 +48,16 @@ def serve_request(cfg: PipelineConfig, model_uri: str, kfp_run_id: str) -> Serve
         image=cfg.serving_image,
         timeout_s=cfg.job_timeout_minutes * 60.0,
         run_tag=kfp_run_id,
+        version=version,
+        runtime=cfg.serving_runtime,
+        canary_traffic_percent=cfg.canary_traffic_percent,
+        resources=ServeResources(
+            cpu=cfg.serving_cpu,
+            memory=cfg.serving_memory,
+            gpus=cfg.serving_gpus,
+            min_replicas=cfg.serving_min_replicas,
+            max_replicas=cfg.serving_max_replicas,
+        ),
     )
 
 
@@ -45,15 +65,16 @@ def registry_model_uri(ws: Workspace, client: MlflowClient, mv: Any) -> str:
     """Where the server reads model version `mv` from.
 
     With a workspace PVC (the server runs in the cluster), a version stored in an object store
-    (s3://, gs://) is given to KServe as is: its storage initializer copies the MLflow model
-    directory to /mnt/models and `kubellm serve` loads that layout. Any other store
+    (s3://, gs://) is given to KServe as is: its `model/` folder, a complete Hugging Face
+    directory (kubellm.registry logs the tokenizer files there too), which KServe's storage
+    initializer copies to /mnt/models for either runtime. Any other store
     (mlflow-artifacts:/ behind the tracking server, file://) is downloaded here, as a Hugging
     Face directory, into the workspace (`serve/v<version>`), and served from there: a local
     path, or pvc://<claim>/... on a cluster.
     """
     source = str(mv.source)
     if ws.pvc_name and is_object_store(source):
-        return source
+        return f"{source.rstrip('/')}/{WEIGHTS_DIR}"
     path = download_hf_dir(client, mv, ws.dir("serve", f"v{mv.version}"))
     return ws.model_uri(path)
 
@@ -70,8 +91,9 @@ def run(ctx: StageContext, model_dir: str | Path, version: str) -> Result:
     with ctx.stage("deploy") as run_id:
         mv = get_version(client, cfg.model_name, version)
         model_uri = registry_model_uri(ctx.backends.workspace, client, mv)
-        request = serve_request(cfg, model_uri, ctx.kfp_run_id)
-        endpoint = ctx.backends.server.deploy(request)
+        request = serve_request(cfg, model_uri, ctx.kfp_run_id, str(mv.version))
+        rollout = ctx.backends.server.deploy(request)
+        endpoint = rollout.endpoint
         client.set_model_version_tag(cfg.model_name, str(mv.version), TAG_SERVING_URI, model_uri)
         ctx.tracker.log(
             run_id,
@@ -79,6 +101,8 @@ def run(ctx: StageContext, model_dir: str | Path, version: str) -> Result:
                 "model_version": version,
                 "model_uri": request.model_uri,
                 "registry_source": str(mv.source),
+                "serving_runtime": request.runtime,
+                "canary_traffic_percent": request.canary_traffic_percent if rollout.canary else 100,
             },
             tags={"kubellm.endpoint": endpoint.url},
         )
@@ -91,11 +115,23 @@ def run(ctx: StageContext, model_dir: str | Path, version: str) -> Result:
                     ("model", f"{cfg.model_name} v{version}"),
                     ("from the registry", str(mv.source)),
                     ("served from", request.model_uri),
+                    ("runtime", request.runtime),
+                    ("traffic", _traffic(rollout.canary, rollout.previous, request)),
                     ("endpoint", endpoint.url),
                 ],
             ),
-            headline=f"{cfg.model_name} v{version} ready at {endpoint.url}",
+            headline=f"{cfg.model_name} v{version} ready at {endpoint.url} "
+            f"({_traffic(rollout.canary, rollout.previous, request)})",
             endpoint=endpoint.url,
             model_uri=request.model_uri,
+            canary=rollout.canary,
+            previous=rollout.previous,
         ),
     )
+
+
+def _traffic(canary: bool, previous: str, request: ServeRequest) -> str:
+    if not canary:
+        return "all traffic (first deployment)"
+    share = request.canary_traffic_percent
+    return f"canary: {share}% of traffic, {100 - share}% stays on {previous or 'the previous'}"

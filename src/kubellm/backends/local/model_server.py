@@ -2,6 +2,10 @@
 
 The server outlives the deploy step (the smoke test calls it next), so its pid and URL are
 kept in a state file under runs_dir; the pipeline's exit handler stops it by run tag.
+
+There are no revisions or traffic splits on one machine: each deployment is its own process
+on its own port, so a new version never replaces a running one. `promote` has nothing to
+move, and `rollback` stops the new server (whatever served before keeps serving).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from kubellm.backends.base import JobFailed, JobTimeout, Server, ServeRequest
+from kubellm.backends.base import JobFailed, JobTimeout, Rollout, Server, ServeRequest
 from kubellm.serve.client import Endpoint, is_ready
 
 
@@ -35,7 +39,7 @@ class LocalModelServer(Server):
     def _state(self, name: str, run_tag: str) -> Path:
         return self.state_dir / f"{name}-{run_tag or 'manual'}.json"
 
-    def deploy(self, request: ServeRequest) -> Endpoint:
+    def deploy(self, request: ServeRequest) -> Rollout:
         if not Path(request.model_uri, "config.json").is_file():
             raise JobFailed(f"model_uri {request.model_uri!r} is not a local model directory")
         self.delete(request.name, request.run_tag)
@@ -77,7 +81,7 @@ class LocalModelServer(Server):
                 )
             if is_ready(endpoint):
                 print(f"deploy: {request.name} ready at {url} (log {log_path})", flush=True)
-                return endpoint
+                return Rollout(endpoint)
             time.sleep(self.poll_s)
         self.delete(request.name, request.run_tag)
         tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
@@ -85,6 +89,21 @@ class LocalModelServer(Server):
             f"model server {request.name} not ready after {request.timeout_s:.0f}s: "
             + " | ".join(tail)
         )
+
+    def promote(self, name: str, namespace: str = "") -> Endpoint:
+        """The newest local server of `name` (the one deploy just started)."""
+        states = sorted(
+            self.state_dir.glob(f"{name}-*.json"), key=lambda p: p.stat().st_mtime, reverse=True
+        )
+        for path in states:
+            state = json.loads(path.read_text())
+            if state.get("name") == name:
+                return Endpoint(name, str(state["url"]))
+        raise JobFailed(f"no local server of {name} to promote (none under {self.state_dir})")
+
+    def rollback(self, name: str, run_tag: str = "", namespace: str = "") -> str:
+        self.delete(name, run_tag)
+        return f"stopped the new local server of {name}"
 
     def delete(self, name: str, run_tag: str = "") -> None:
         path = self._state(name, run_tag)
