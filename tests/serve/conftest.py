@@ -1,6 +1,6 @@
 """Fixtures for the serving tests: one tiny model directory and one real model server
-(`python -m kubellm.serve` on 127.0.0.1) for the whole session, plus the same model loaded
-in-process to compare the served answers with."""
+(`kubellm serve` on 127.0.0.1, the command users run) for the whole session, plus the same
+model loaded in-process to compare the served answers with."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     (starting one takes seconds). Stopped at the end of the session, failures included."""
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "kubellm.serve", str(tiny_model_dir), "--name", SERVER_NAME]
+    kubellm = str(Path(sys.executable).parent / "kubellm")  # this environment's entry point
+    cmd = [kubellm, "serve", str(tiny_model_dir), "--name", SERVER_NAME]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     endpoint = Endpoint(SERVER_NAME, f"http://127.0.0.1:{port}")
     with open(log_path, "wb") as log:

@@ -5,9 +5,10 @@ Every protocol (V1 predict, V2 infer, OpenAI completions and chat) turns a promp
 of queueing behind each other's `model.generate`.
 
 The worker takes what is queued, up to `max_batch` requests. It waits up to `max_wait_ms` for
-more only when the requests it took arrived while it was busy (there is load, and more are
-likely on their way); a request that finds the worker idle starts at once, so a lone caller
-pays no batching delay. The prompts are left-padded, with an attention mask and position ids
+more only under concurrent load (requests queued while it was busy, and more than one of
+them or several in the last batch: more are likely on their way); a request that finds the
+worker idle, or one client's next request, starts at once, so a lone caller pays no batching
+delay. The prompts are left-padded, with an attention mask and position ids
 that count real tokens only, prefilled in one forward pass, then decoded one token per step
 with a `DynamicCache`.
 
@@ -147,6 +148,7 @@ class BatchEngine:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._last_batch = 0  # rows in the batch taken last (a sign of concurrent callers)
         self.batches_run = 0  # for tests and metrics: how many batches, how many rows at most
         self.largest_batch = 0
 
@@ -277,8 +279,12 @@ class BatchEngine:
                 waited = True
             if self._stopping:
                 return None
-            # found waiting on return from a batch: there is load, so gather a little longer
-            under_load = not waited
+            # Found waiting on return from a batch, with company: more than one request
+            # queued, or the last batch had several rows. Then there is concurrent load and
+            # gathering a little longer pays. One client sending request after request also
+            # finds its next request queued (it is sent while the worker still tidies up the
+            # last batch), but alone: it must not wait.
+            under_load = not waited and (len(self._queue) > 1 or self._last_batch > 1)
             batch = [self._queue.popleft() for _ in range(min(opts.max_batch, len(self._queue)))]
             if under_load and opts.max_wait_ms > 0:
                 until = time.monotonic() + opts.max_wait_ms / 1000
@@ -290,6 +296,7 @@ class BatchEngine:
                         self._cv.wait(left)
                         continue
                     batch.append(self._queue.popleft())
+            self._last_batch = len(batch)
             return batch
 
     def _loop(self) -> None:

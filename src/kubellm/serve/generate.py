@@ -34,6 +34,19 @@ def load_model(model_dir: str | Path, trust_remote_code: bool = False) -> tuple[
     return model, load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
 
 
+def _greedy(model: Any, tokenizer: Any, x: torch.Tensor, max_new: int, **extra: Any) -> Any:
+    """model.generate, greedy, on unpadded prompts `x` (every row real tokens), to EOS."""
+    return model.generate(
+        input_ids=x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+
+
 @torch.no_grad()
 def complete(
     model: Any, tokenizer: Any, prompts: list[str], max_new_tokens: int = 8, batch_size: int = 1
@@ -50,14 +63,7 @@ def complete(
             if length == 0:
                 continue
             x = torch.tensor([encoded[i] for i in chunk], dtype=torch.long)
-            gen = model.generate(
-                input_ids=x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
+            gen = _greedy(model, tokenizer, x, max_new_tokens)
             texts = tokenizer.batch_decode(gen[:, length:], skip_special_tokens=True)
             for i, text in zip(chunk, texts, strict=True):
                 out[i] = text.strip()
@@ -81,15 +87,8 @@ def greedy_with_margins(
             out.append(("", math.inf))
             continue
         x = torch.tensor([ids], dtype=torch.long)
-        gen = model.generate(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            output_logits=True,
-            return_dict_in_generate=True,
+        gen = _greedy(
+            model, tokenizer, x, max_new_tokens, output_logits=True, return_dict_in_generate=True
         )
         margin = math.inf
         for step in gen.logits:  # raw logits, one [1, vocab] tensor per generated token

@@ -686,21 +686,9 @@ class KubeClient:
         ref = f"{res.kind.lower()}/{name}"
         shown: str | None = None
         last = "never read"
-        selector = {"field_selector": f"metadata.name={name}"}
-        for event in self.events(self._list_custom(res, namespace), selector, deadline):
-            if event.type == "LIST":
-                found = [o for o in event.items if (o.get("metadata") or {}).get("name") == name]
-                if not found:
-                    return _Verdict("deleted", None, last)
-                obj = found[0]
-            elif event.type in ("ADDED", "MODIFIED", "DELETED"):
-                obj = event.obj
-                if (obj.get("metadata") or {}).get("name") != name:
-                    continue  # a server that ignores the field selector
-                if event.type == "DELETED":
-                    return _Verdict("deleted", None, last)
-            else:
-                continue
+        for obj in self.watch_object(res, namespace, name, deadline):
+            if obj is None:
+                return _Verdict("deleted", None, last)
             if uid is not None and uid_of(obj) not in (None, uid):
                 return _Verdict("replaced", obj, last)
             uid = uid or uid_of(obj)
@@ -752,6 +740,27 @@ class KubeClient:
         return "the job has been deleted" if gone else "the job was already gone"
 
     # ------------------------------------------------------------------ watching
+
+    def watch_object(
+        self, res: CustomResource, namespace: str, name: str, deadline: float
+    ) -> Iterator[dict[str, Any] | None]:
+        """Each state of the object `name` as a watch (re-listed when it breaks) reports it,
+        until the deadline; None when it is deleted or missing, which ends the iteration."""
+        selector = {"field_selector": f"metadata.name={name}"}
+        for event in self.events(self._list_custom(res, namespace), selector, deadline):
+            if event.type == "LIST":
+                found = [o for o in event.items if (o.get("metadata") or {}).get("name") == name]
+                if not found:
+                    yield None
+                    return
+                yield found[0]
+            elif event.type in ("ADDED", "MODIFIED", "DELETED"):
+                if (event.obj.get("metadata") or {}).get("name") != name:
+                    continue  # a server that ignores the field selector
+                if event.type == "DELETED":
+                    yield None
+                    return
+                yield event.obj
 
     def _list_custom(self, res: CustomResource, namespace: str) -> Lister:
         return Lister(

@@ -67,7 +67,7 @@ from kubellm.backends.kubernetes.client import (
     find_condition,
     to_dict,
 )
-from kubellm.backends.kubernetes.responses import TRANSIENT, Lister, api_message
+from kubellm.backends.kubernetes.responses import TRANSIENT, api_message
 from kubellm.serve.client import Endpoint
 
 INFERENCESERVICE = CustomResource(
@@ -773,26 +773,10 @@ class InferenceServiceServer(Server):
         printing each new state. Unlike KubeClient.wait, a timeout deletes nothing: what to
         do is the caller's (a canary's timeout must leave the serving revision alone)."""
         deadline = time.monotonic() + timeout_s
-        lister = Lister(
-            self.kube.custom.list_namespaced_custom_object,
-            (INFERENCESERVICE.group, INFERENCESERVICE.version, ns, INFERENCESERVICE.plural),
-        )
-        selector = {"field_selector": f"metadata.name={name}"}
         shown, state, last = None, "never read", None
-        for event in self.kube.events(lister, selector, deadline):
-            if event.type == "LIST":
-                found = [o for o in event.items if (o.get("metadata") or {}).get("name") == name]
-                if not found:
-                    return _Seen("deleted", last, state)
-                obj = found[0]
-            elif event.type in ("ADDED", "MODIFIED", "DELETED"):
-                obj = event.obj
-                if (obj.get("metadata") or {}).get("name") != name:
-                    continue  # a server that ignores the field selector
-                if event.type == "DELETED":
-                    return _Seen("deleted", obj, state)
-            else:
-                continue
+        for obj in self.kube.watch_object(INFERENCESERVICE, ns, name, deadline):
+            if obj is None:
+                return _Seen("deleted", last, state)
             last, state = obj, describe(obj)
             if state != shown:
                 print(f"inferenceservice/{name}: {state}", flush=True)
