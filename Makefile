@@ -77,11 +77,15 @@ compile: $(STAMP) ## Recompile pipelines/*.yaml from pipelines/*.py
 	$(BIN)/kubellm compile
 
 .PHONY: bench
-bench: bench-prepare bench-train bench-startup ## All benchmarks -> docs/benchmarks-*.md; ARGS (e.g. --check) go to each
+bench: bench-prepare bench-train bench-startup bench-serve ## All benchmarks -> docs/benchmarks-*.md; ARGS (e.g. --check) go to each
 
 .PHONY: bench-prepare
 bench-prepare: $(STAMP) ## prepare_data vs the fastest tokenizer call and datasets.map, clean and messy corpora; memory 10x vs 1x
 	$(BIN)/python -m bench.prepare_bench --size-mb 20 --scale 10 --repeats 3 --out docs/benchmarks-prepare.md $(ARGS)
+
+.PHONY: bench-serve
+bench-serve: $(STAMP) ## Model server p50/p99 vs its engine in-process, batched vs sequential req/s, locust load test
+	$(BIN)/python -m bench.serve_bench --out docs/benchmarks-serve.md $(ARGS)
 
 .PHONY: bench-startup
 bench-startup: $(STAMP) ## FSDP2 start-up host memory of a ~1B model (2 CPU ranks) vs every rank from_pretrained

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from kserve import ModelServer
+from kserve.logging import KSERVE_TRACE_LOGGER_NAME
 from kserve.protocol.rest.server import RESTServer
 
 from kubellm.serve.engine import EngineOptions, EngineStopped, QueueFull, RequestTimedOut
@@ -36,12 +38,30 @@ async def _timed_out(_: Any, exc: Exception) -> JSONResponse:
     return JSONResponse(status_code=504, content={"error": str(exc)})
 
 
+class _RESTServer(RESTServer):  # type: ignore[misc]
+    """kserve's REST server; without `latency_log`, without its timing middleware, which
+    times every request only to log it (kserve.trace): on a request of a few milliseconds
+    its share is measurable (docs/benchmarks-serve.md)."""
+
+    latency_log = False
+
+    def _add_middlewares(self, app: Any) -> None:
+        if self.latency_log:
+            super()._add_middlewares(app)
+            return
+        from timing_asgi import TimingMiddleware
+
+        super()._add_middlewares(app)
+        app.user_middleware = [m for m in app.user_middleware if m.cls is not TimingMiddleware]
+
+
 class BoundModelServer(ModelServer):  # type: ignore[misc]
     """kserve.ModelServer with the REST host chosen by us, and no gRPC port."""
 
-    def __init__(self, host: str, http_port: int) -> None:
+    def __init__(self, host: str, http_port: int, latency_log: bool = False) -> None:
         super().__init__(http_port=http_port, enable_grpc=False, workers=1)
         self.host = host
+        self.latency_log = latency_log
 
     def rest_server(self, models: list[CausalLMModel]) -> RESTServer:
         """Register `models` and build the REST server (its app is kserve's global one)."""
@@ -52,7 +72,7 @@ class BoundModelServer(ModelServer):  # type: ignore[misc]
         app.add_exception_handler(EngineStopped, _busy)
         app.add_exception_handler(RequestTimedOut, _timed_out)
         self._register_and_check_atleast_one_model_is_ready(models)
-        rest = RESTServer(
+        rest = _RESTServer(
             "kserve.model_server:app",
             self.dataplane,
             self.model_repository_extension,
@@ -63,6 +83,7 @@ class BoundModelServer(ModelServer):  # type: ignore[misc]
             timeout_keep_alive=self.timeout_keep_alive,
         )
         rest.config.host = self.host
+        rest.latency_log = self.latency_log
         return rest
 
     def start(self, models: list[CausalLMModel]) -> None:
@@ -129,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=MAX_NEW_TOKENS,
         help="most new tokens one request may ask for (default %(default)s)",
     )
+    p.add_argument(
+        "--latency-log",
+        action="store_true",
+        help="log kserve's per-request latency lines (kserve.trace); off by default",
+    )
     return p
 
 
@@ -141,8 +167,13 @@ def serve(
     *,
     options: EngineOptions | None = None,
     max_tokens_limit: int = MAX_NEW_TOKENS,
+    latency_log: bool = False,
 ) -> None:
     logging.basicConfig(level=logging.INFO)
+    if not latency_log:
+        # kserve's timing middleware logs two lines per request (kserve.trace); on a request
+        # of a few ms that logging is a measurable share. The access log stays.
+        logging.getLogger(KSERVE_TRACE_LOGGER_NAME).setLevel(logging.WARNING)
     model = CausalLMModel(
         name,
         model_dir,
@@ -151,8 +182,12 @@ def serve(
         max_tokens_limit=max_tokens_limit,
     )
     model.load()
+    # The imports and the model leave ~10^6 long-lived objects; a full collection walking them
+    # stalls every request in flight for hundreds of ms. Frozen, collections skip them.
+    gc.collect()
+    gc.freeze()
     print(f"serving {name} from {model_dir} on http://{host}:{port}", flush=True)
-    BoundModelServer(host=host, http_port=port).start([model])
+    BoundModelServer(host=host, http_port=port, latency_log=latency_log).start([model])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,4 +206,5 @@ def main(argv: list[str] | None = None) -> None:
         args.trust_remote_code,
         options=options,
         max_tokens_limit=args.max_tokens_limit,
+        latency_log=args.latency_log,
     )

@@ -1,0 +1,144 @@
+"""The serving benchmark runs end to end at its quick size and reports every figure.
+
+Only that every side ran and the figures add up: each row of the results table, ratios that
+are the quotients of the figures beside them, percentiles in order, the server answering what
+the in-process engine answers, and a locust run of exactly 200 requests with no failure.
+Whether the server meets issue 12's targets is what `make bench-serve` reports, not what this
+test checks: at this size, on a shared machine, the ratios are noise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.serve_bench import TRACE, percentile, rotate
+
+REPO = Path(__file__).resolve().parents[2]
+RESULT_ROWS = (
+    "p50 latency (ms), one client, vs BatchEngine in-process (",
+    "p99 latency (ms), one client, vs BatchEngine in-process (",
+    "p50 latency (ms), one client, vs BatchEngine in-process, max_wait_ms 0",
+    "p99 latency (ms), one client, vs BatchEngine in-process, max_wait_ms 0",
+    "p50 latency (ms), one client, vs generate.complete in-process",
+    "p99 latency (ms), one client, vs generate.complete in-process",
+    "p50 latency (ms), V1 predict vs generate.complete in-process",
+    "requests/s, 16 clients, --max-batch 16 vs one client, sequential",
+    "requests/s, 16 clients, --max-batch 16 vs 16 clients, --max-batch 1",
+    "locust: 16 users, 200 requests",
+)
+TARGETS = {RESULT_ROWS[0]: "≤ 1.2", RESULT_ROWS[1]: "≤ 1.2", RESULT_ROWS[7]: "≥ 2.0"}
+LATENCY_ROWS = (
+    "server, OpenAI completions (HTTP)",
+    "in-process, BatchEngine.generate_sync",
+    "in-process, BatchEngine.generate_sync, max_wait_ms 0",
+    "in-process, generate.complete",
+    "server, V1 predict (HTTP)",
+)
+THROUGHPUT_ROWS = (
+    "one client, sequential",
+    "16 clients, --max-batch 1",
+    "16 clients, --max-batch 16",
+)
+
+
+def _table(markdown: str, first_header: str) -> list[list[str]]:
+    """The body rows (cells) of the table whose header starts with `first_header`."""
+    lines = markdown.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {first_header} |"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def _num(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_quick_serve_bench_reports_every_figure(tmp_path: Path) -> None:
+    out, figures = tmp_path / "serve.md", tmp_path / "serve.json"
+    cmd = [sys.executable, "-m", "bench.serve_bench", "--quick", "--out", str(out)]
+    cmd += ["--json", str(figures), "--cache-dir", str(tmp_path / "cache")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md, data = out.read_text(), json.loads(figures.read_text())
+
+    results = _table(md, "metric")
+    assert len(results) == len(RESULT_ROWS)
+    for title, row in zip(RESULT_ROWS, results, strict=True):
+        assert row[0].startswith(title), row
+        if title.startswith("locust"):
+            assert row[1] == "200, 0" and row[5] == "PASS", row
+            continue
+        ours, peer, ratio = _num(row[1]), _num(row[2]), float(row[3])
+        assert ours > 0 and peer > 0 and math.isfinite(ratio), row
+        assert math.isclose(ratio, ours / peer, rel_tol=0.01), row
+        if title in TARGETS:
+            assert row[4] == TARGETS[title] and row[5] in ("PASS", "MISS"), row
+        else:
+            assert row[4] == row[5] == "—", row
+
+    latency = {row[0]: row for row in _table(md, "contender")}
+    assert set(latency) == set(LATENCY_ROWS)
+    for row in latency.values():
+        p50, p90, p99 = _num(row[2]), _num(row[3]), _num(row[4])
+        assert int(row[1]) == 30 and 0 < p50 <= p90 <= p99, row
+    # the server runs the engine: same generated tokens per request, same answers
+    lat = data["latency"]
+    tokens = lat["server_openai"]["tokens_per_request"]
+    assert tokens == lat["engine"]["tokens_per_request"] and 1 <= tokens <= 8
+    same, total = data["agreement"]["openai_vs_engine"]
+    assert same == total == 30
+    # kserve's timing lines, one per request while the server logs them at INFO
+    if lat["server_openai"]["handler_requests"]:
+        assert lat["server_openai"]["handler_requests"] == 30
+        assert 0 < lat["server_openai"]["handler_p50_ms"] <= lat["server_openai"]["p50_ms"]
+
+    throughput = {row[0]: row for row in _table(md, "setting")}
+    assert set(throughput) == set(THROUGHPUT_ROWS)
+    for row in throughput.values():
+        assert _num(row[2]) > 0 and 0 < _num(row[4]) <= _num(row[5]), row
+    thr = data["throughput"]
+    ratio = data["ratios"]["throughput_batched_vs_sequential"]["ratio"]
+    assert math.isclose(ratio, thr["mb16"]["rps"] / thr["sequential"]["rps"])
+
+    locust = data["locust"]
+    assert locust["total"]["requests"] == locust["issued"] == 200
+    assert locust["total"]["failures"] == 0 and locust["errors"] == []
+    assert locust["exit_code"] == 0
+    assert 0 < locust["total"]["p50_ms"] <= locust["total"]["p95_ms"] <= locust["total"]["p99_ms"]
+    assert locust["total"]["rps"] > 0
+    (row,) = _table(md, "requests")
+    assert row[:2] == ["200", "0"], row
+
+    assert "python -m bench.serve_bench --quick" in md  # the command to rerun
+    assert "OMP_NUM_THREADS=1" in md and "| torch threads | 1 |" in md
+    assert "| metric |" in proc.stdout  # the table is printed too
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(100, 0, -1)]  # 1..100, unsorted
+    assert percentile(values, 50) == 50 and percentile(values, 99) == 99
+    assert percentile(values, 100) == 100 and percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0
+
+
+def test_rotate_and_the_server_trace_line() -> None:
+    assert rotate(("a", "b", "c"), 4) == ["b", "c", "a"]
+    line = (
+        "INFO:kserve.trace:kserve.io.openai.v1.completions: 0.0142 "
+        "['http_status:200', 'http_method:POST', 'time:wall']\n"
+        "INFO:kserve.trace:kserve.io.openai.v1.completions: 0.0125 "
+        "['http_status:200', 'http_method:POST', 'time:cpu']"
+    )
+    assert [float(m.group(2)) for m in TRACE.finditer(line)] == [0.0142]
