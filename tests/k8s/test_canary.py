@@ -160,11 +160,11 @@ def test_a_canary_beside_the_serving_revision_is_promoted(sim: SimCluster) -> No
     api.delete_namespaced_custom_object(*ISVCS, name)
 
 
-def test_a_failed_canary_and_a_rollback_leave_the_previous_revision_serving(
+def test_a_failed_canary_leaves_the_previous_revision_serving(
     sim: SimCluster,
 ) -> None:
     name = "llm-b"
-    rev1, rev2, rev3 = (revision(name, n) for n in (1, 2, 3))
+    rev1, rev2 = revision(name, 1), revision(name, 2)
     first = server(sim).deploy(serve(name, "v1"))
     service = first.endpoint.url
 
@@ -176,27 +176,10 @@ def test_a_failed_canary_and_a_rollback_leave_the_previous_revision_serving(
     assert predictor(sim, name)["latestRolledoutRevision"] == rev1
     assert answers(service, name)
 
-    # the next version goes out as a canary beside rev1 again
-    canary = server(sim).deploy(serve(name, "v3"))
-    assert (canary.canary, canary.previous) == (True, rev1)
-    assert traffic(sim, name) == [("latest", rev3, 10), ("prev", rev1, 90)]
-
-    # another run's rollback leaves this run's canary alone
-    said = server(sim).rollback(name, "run-other", NS)
-    assert "kept as it is" in said
-    assert traffic(sim, name) == [("latest", rev3, 10), ("prev", rev1, 90)]
-
-    # the owner's rollback: all traffic back to rev1 (canaryTrafficPercent 0)
-    said = server(sim).rollback(name, "run-v3", NS)
-    assert said == f"traffic back on revision {rev1} (revision {rev3} gets 0%)"
-    assert traffic(sim, name) == [("latest", rev3, 0), ("prev", rev1, 100)]
-    status = predictor(sim, name)
-    assert (status["latestRolledoutRevision"], status["latestCreatedRevision"]) == (rev1, rev3)
-    assert answers(tag_urls(sim, name)["prev"], name)
-    assert answers(canary.endpoint.url, name)  # rev3 stays behind its tag at 0%
-
-    # again: nothing more to do, and never a deletion while rev1 serves
-    assert "traffic back on revision" in server(sim).rollback(name, "run-v3", NS)
+    # a rollback asked again changes nothing, and never deletes while rev1 serves (a
+    # passing or failing canary on real servers: tests/stages/test_rollout_cluster.py; the
+    # run-tag rules: the scripted RollbackCase table in test_inferenceservice.py)
+    assert "traffic back on revision" in server(sim).rollback(name, "run-broken", NS)
     assert sim.fake.get_object("inferenceservices", name, NS) is not None
     assert ("inferenceservices", NS, name) not in sim.fake.deleted
     assert rev1 in pods(sim, name)
