@@ -8,11 +8,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from fakes.http_fake import JsonHandler
 from kubellm.backends.base import JobFailed, Rollout, Server, ServeRequest
 from kubellm.serve.client import Endpoint, is_ready
 from kubellm.stages import smoke_test
@@ -99,26 +100,16 @@ class Broken:
 def broken_server(request: pytest.FixtureRequest) -> Iterator[str]:
     how: Broken = request.param
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
-            self._reply(200, {"name": "tiny-stage", "ready": True})
+            self._send(200, {"name": "tiny-stage", "ready": True})
 
         def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._read_json()
             time.sleep(how.delay_s)
-            self._reply(how.status, {"choices": [{"text": "x"}]} if how.status == 200 else {})
-
-        def _reply(self, status: int, body: dict[str, object]) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
+            body = {"choices": [{"text": "x"}]} if how.status == 200 else {}
             with contextlib.suppress(OSError):  # the client gave up (the timeout case)
-                self.wfile.write(data)
-
-        def log_message(self, *args: object) -> None:
-            pass
+                self._send(how.status, body)
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
