@@ -13,6 +13,7 @@ def summarize(
     runs_dir: str,
     experiment_name: str,
     model_name: str,
+    namespace: str,
     kfp_run_id: str,
     status: dsl.PipelineTaskFinalStatus,
     report: Output[Markdown],

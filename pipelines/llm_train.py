@@ -37,7 +37,7 @@ from kubellm.backends.kubernetes.client import (
     POD_UID_ENV,
     RUN_AS_UID,
 )
-from kubellm.backends.kubernetes.podspec import MLFLOW_SECRET, MLFLOW_SECRET_ENV
+from kubellm.backends.kubernetes.podspec import GPU_RESOURCE, MLFLOW_SECRET, MLFLOW_SECRET_ENV
 from kubellm.config import PipelineConfig
 from kubellm.stages.evaluate import PROMOTE
 from kubellm.stages.record_data import CHANGED as DATA_CHANGED
@@ -61,14 +61,28 @@ class _Cluster:
     def __init__(self, runtime_image: Any, cpu: Any, memory: Any, workspace_pvc: Any) -> None:
         self.image, self.cpu, self.memory, self.pvc = runtime_image, cpu, memory, workspace_pvc
 
-    def wire(self, task: dsl.PipelineTask, workspace: bool = True) -> dsl.PipelineTask:
-        """Cluster-side settings of a step: its image and resources (parameters), the tracking
-        URI from the kubellm-config ConfigMap if there is one (else the mlflow_tracking_uri
-        parameter), credentials from a Secret (never a parameter), its own pod's name and
-        uid (owner of the jobs it creates), non-root, and the shared workspace volume."""
+    def wire(
+        self,
+        task: dsl.PipelineTask,
+        workspace: bool = True,
+        *,
+        cpu: Any = None,
+        memory: Any = None,
+        gpus: Any = None,
+    ) -> dsl.PipelineTask:
+        """Cluster-side settings of a step: its image and resources (parameters; `cpu`,
+        `memory` and `gpus` for a step that loads the model), the tracking URI from the
+        kubellm-config ConfigMap if there is one (else the mlflow_tracking_uri parameter),
+        credentials from a Secret (never a parameter), its own pod's name and uid (owner of
+        the jobs it creates), non-root, and the shared workspace volume."""
         task.set_container_image(self.image)
-        task.set_cpu_request(self.cpu).set_cpu_limit(self.cpu)
-        task.set_memory_request(self.memory).set_memory_limit(self.memory)
+        cpu, memory = cpu if cpu is not None else self.cpu, memory or self.memory
+        task.set_cpu_request(cpu).set_cpu_limit(cpu)
+        task.set_memory_request(memory).set_memory_limit(memory)
+        if gpus is not None:
+            # The KFP driver sets limits[nvidia.com/gpu] to the count it resolves (0 too: a
+            # zero limit fits any node, GPU or not).
+            task.set_accelerator_type(GPU_RESOURCE).set_accelerator_limit(gpus)
         kubernetes.use_config_map_as_env(
             task,
             config_map_name=CONFIG_MAP,
@@ -152,9 +166,15 @@ def llm_train(
     gpus_per_node: int = _D["gpus_per_node"],
     job_cpu: str = _D["job_cpu"],
     job_memory: str = _D["job_memory"],
+    job_max_restarts: int = _D["job_max_restarts"],
     step_cpu: str = _D["step_cpu"],
     step_memory: str = _D["step_memory"],
     shm_size: str = _D["shm_size"],
+    evaluate_cpu: str = _D["evaluate_cpu"],
+    evaluate_memory: str = _D["evaluate_memory"],
+    evaluate_gpus: int = _D["evaluate_gpus"],
+    register_cpu: str = _D["register_cpu"],
+    register_memory: str = _D["register_memory"],
     node_selector: dict = _D["node_selector"],
     tolerations: list = _D["tolerations"],
     priority_class: str = _D["priority_class"],
@@ -182,6 +202,7 @@ def llm_train(
         runs_dir=runs_dir,
         experiment_name=experiment_name,
         model_name=model_name,
+        namespace=namespace,
         kfp_run_id=run_id,
     ).set_display_name("summary")
     _no_cache(report)
@@ -247,9 +268,15 @@ def llm_train(
             gpus_per_node=gpus_per_node,
             job_cpu=job_cpu,
             job_memory=job_memory,
+            job_max_restarts=job_max_restarts,
             step_cpu=step_cpu,
             step_memory=step_memory,
             shm_size=shm_size,
+            evaluate_cpu=evaluate_cpu,
+            evaluate_memory=evaluate_memory,
+            evaluate_gpus=evaluate_gpus,
+            register_cpu=register_cpu,
+            register_memory=register_memory,
             node_selector=node_selector,
             tolerations=tolerations,
             priority_class=priority_class,
@@ -289,10 +316,16 @@ def llm_train(
             scored = _cluster_wiring(
                 evaluate(**ctx, model=trained.outputs["model"], dataset=data.outputs["dataset"]),
                 workspace=False,
+                cpu=evaluate_cpu,
+                memory=evaluate_memory,
+                gpus=evaluate_gpus,
             )
             with dsl.If(scored.outputs["Output"] == PROMOTE, name="gate"):
                 version = _cluster_wiring(
-                    _no_cache(register(**ctx, model=trained.outputs["model"])), workspace=False
+                    _no_cache(register(**ctx, model=trained.outputs["model"])),
+                    workspace=False,
+                    cpu=register_cpu,
+                    memory=register_memory,
                 )
                 served = _cluster_wiring(
                     _no_cache(

@@ -105,3 +105,59 @@ def test_gate_guards_name_measured_metrics_and_nonnegative_bounds() -> None:
         pipeline_config({"gate_guards": {"bleu": 0.1}})
     with pytest.raises(ConfigError, match=r"gate_guards bounds must be >= 0, got eval_loss"):
         pipeline_config({"gate_guards": {"eval_loss": -0.1}})
+
+
+# -- pod sizes that follow the GPUs (issue 19, item 8) ----------------------------------------
+
+
+def test_processes_follow_the_gpus_by_default() -> None:
+    """8 GPUs a pod and nothing else said: one training process per GPU, not the CPU
+    default of 2 (which left six GPUs idle)."""
+    assert pipeline_config({"gpus_per_node": 8}).nproc_per_node == 8
+    assert pipeline_config({"gpus_per_node": 1, "batch_size": 8}).nproc_per_node == 1
+    assert pipeline_config({}).nproc_per_node == 2  # CPU: two processes, as before
+    assert PipelineConfig.model_fields["nproc_per_node"].default == 0  # the YAML's: auto
+
+
+def test_cpu_and_memory_scale_with_the_ranks_and_count_dev_shm() -> None:
+    eight = pipeline_config({"gpus_per_node": 8})
+    assert (eight.job_cpu, eight.job_memory) == ("16", "72Gi")  # 8 x (2, 8Gi) + 8Gi shm
+    two = pipeline_config({})
+    assert (two.job_cpu, two.job_memory) == ("4", "24Gi")
+    big_shm = pipeline_config({"shm_size": "32Gi"})
+    assert big_shm.job_memory == "48Gi"
+    explicit = pipeline_config({"job_cpu": "30", "job_memory": "200Gi"})
+    assert (explicit.job_cpu, explicit.job_memory) == ("30", "200Gi")
+
+
+SIZE_ERRORS = [
+    Case(
+        ["gpus_per_node=8", "nproc_per_node=2"],
+        ["nproc_per_node (2) is less than gpus_per_node (8)", "6 GPU(s)", "nproc_per_node=0"],
+    ),
+    Case(
+        ["gpus_per_node=8", "job_memory=16Gi"],
+        ["job_memory (16Gi) leaves 8Gi", "shm_size 8Gi", "8 training processes"],
+    ),
+    Case(["job_memory=9Gi"], ["job_memory (9Gi) leaves 1Gi", "/dev/shm"]),
+    Case(["gpus_per_node=8", "job_cpu=4"], ["job_cpu (4) is less than one CPU", "8 training"]),
+]
+
+
+@pytest.mark.parametrize("case", SIZE_ERRORS, ids=lambda c: " ".join(c.overrides))
+def test_pod_sizes_too_small_for_their_ranks_are_refused(case: Case) -> None:
+    with pytest.raises(ConfigError) as info:
+        pipeline_config(parse_overrides(case.overrides))
+    for fragment in case.fragments:
+        assert fragment in str(info.value)
+
+
+def test_training_pods_get_the_scaled_resources() -> None:
+    from kubellm.backends.kubernetes.podspec import ClusterSettings
+
+    cfg = pipeline_config({"gpus_per_node": 8, "job_max_restarts": 5})
+    settings = ClusterSettings.from_config(cfg)
+    resources = settings.resources()
+    assert resources is not None
+    assert resources.limits == {"cpu": "16", "memory": "72Gi", "nvidia.com/gpu": "8"}
+    assert settings.max_restarts == 5

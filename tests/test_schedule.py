@@ -523,3 +523,59 @@ def test_fake_wants_the_bearer_token() -> None:
         right = {"Authorization": "Bearer s3cret"}
         assert requests.get(f"{fake.url}{API}/healthz", headers=right, timeout=10).ok
         assert len(fake.errors) == 2
+
+
+# -- the backend version ------------------------------------------------------------------
+
+NEEDS = "kubellm needs KFP backend 2.16 or newer (2.17 recommended; README 'Supported versions')"
+
+
+def test_schedule_refuses_an_older_backend_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeKfp(tag_name="2.5.0") as fake:
+        rc = _schedule(fake, "--cron", "0 2 * * *", "--set", "train_steps=7")
+        out, err = capsys.readouterr()
+        assert rc == 2
+        assert err == f"kubellm: error: KFP at {fake.url} runs backend 2.5.0; {NEEDS}\n"
+        assert out == ""
+        # nothing uploaded, no experiment, no recurring run: only the question was asked
+        assert fake.recurring_runs == {} and fake.pipelines == {} and fake.experiments == {}
+        assert [(r.method, r.path) for r in fake.requests] == [("GET", f"{API}/healthz")]
+
+
+def test_schedule_proceeds_on_2_17(fake: FakeKfp) -> None:
+    assert fake.tag_name == "2.17.0"  # the fake announces what the recommended release does
+    assert _schedule(fake, "--cron", "0 2 * * *") == 0
+    assert fake.errors == [] and len(fake.recurring_runs) == 1
+    assert (fake.requests[0].method, fake.requests[0].path) == ("GET", f"{API}/healthz")
+
+
+def test_schedule_on_a_backend_that_does_not_say_needs_skip_version_check(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with FakeKfp(tag_name="unknown") as fake:
+        assert _schedule(fake, "--cron", "0 2 * * *") == 2
+        _, err = capsys.readouterr()
+        assert "does not announce its backend version" in err and NEEDS in err
+        assert "--skip-version-check" in err and err.count("\n") == 1, err
+        assert fake.recurring_runs == {}
+        assert _schedule(fake, "--cron", "0 2 * * *", "--skip-version-check") == 0
+        assert fake.errors == [] and len(fake.recurring_runs) == 1
+
+
+def test_list_pause_delete_work_on_an_old_backend_resume_does_not(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Running nothing, they help leave an old backend; resuming starts runs again."""
+    with FakeKfp() as fake:
+        assert _schedule(fake, "--cron", "0 2 * * *") == 0
+        fake.tag_name = "2.5.0"
+        assert _schedule(fake, "--list", pipeline=None) == 0
+        assert _schedule(fake, "--pause") == 0
+        capsys.readouterr()
+        assert _schedule(fake, "--resume") == 2
+        _, err = capsys.readouterr()
+        assert err == f"kubellm: error: KFP at {fake.url} runs backend 2.5.0; {NEEDS}\n"
+        (run,) = fake.recurring_runs.values()
+        assert run["mode"] == "DISABLE"  # still paused
+        assert _schedule(fake, "--delete") == 0
+        assert fake.recurring_runs == {}

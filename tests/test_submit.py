@@ -20,7 +20,14 @@ import yaml
 
 from fakes.fake_kfp import API, FakeKfp, isolate_kfp_client
 from kubellm.cli import main
-from kubellm.kfp_client import resolve_token, run_link, ui_base, version_name
+from kubellm.kfp_client import (
+    backend_version_error,
+    parse_backend_version,
+    resolve_token,
+    run_link,
+    ui_base,
+    version_name,
+)
 
 PIPELINE = Path(__file__).parents[1] / "pipelines" / "llm_train.yaml"
 
@@ -458,3 +465,163 @@ def test_readme_kfp_cli_line_creates_a_typed_run(fake: FakeKfp, tmp_path: Path, 
     assert experiment["display_name"] == argv[argv.index("-e") + 1]
     assert run["experiment_id"] == experiment["experiment_id"]
     assert run["display_name"]
+
+
+# -- the backend version ------------------------------------------------------------------
+
+NEEDS = "kubellm needs KFP backend 2.16 or newer (2.17 recommended; README 'Supported versions')"
+
+
+@pytest.mark.parametrize("tag", ["2.5.0", "2.4.1", "2.14.4", "2.15.0"])
+def test_submit_refuses_an_older_backend_in_one_line(
+    capsys: pytest.CaptureFixture[str], tag: str
+) -> None:
+    """Kubeflow 1.10's KFP 2.5 cannot run the compiled YAML (the exit handler's final status,
+    optional Secret env, the security context, nested dsl.If state), nor can 2.15 (its
+    compiler refuses the security context): refused before a run."""
+    with FakeKfp(tag_name=tag) as fake:
+        rc = _submit("--endpoint", fake.url, "--set", "train_steps=7")
+        out, err = capsys.readouterr()
+        assert rc == 2
+        assert err == f"kubellm: error: KFP at {fake.url} runs backend {tag}; {NEEDS}\n"
+        assert out == ""
+        assert fake.created_runs() == [] and fake.runs == {} and fake.experiments == {}
+        assert [(r.method, r.path) for r in fake.requests] == [("GET", f"{API}/healthz")]
+
+
+@pytest.mark.parametrize("tag", ["2.16.0", "2.16.1", "2.17.0", "v2.17.0"])
+def test_submit_proceeds_on_a_backend_at_or_past_the_minimum(tag: str) -> None:
+    with FakeKfp(tag_name=tag) as fake:
+        assert _submit("--endpoint", fake.url, "--set", "train_steps=7") == 0
+        assert fake.errors == []
+        assert len(fake.runs) == 1
+        # asked first, with the same client (and so the same token) the run goes out with
+        assert (fake.requests[0].method, fake.requests[0].path) == ("GET", f"{API}/healthz")
+
+
+@pytest.mark.parametrize("tag", ["unknown", "master", ""])
+def test_a_backend_that_does_not_say_is_refused_unless_skipped(
+    capsys: pytest.CaptureFixture[str], tag: str
+) -> None:
+    """Official images 2.4.0-2.15.x answer `unknown` (no TAG_NAME build-arg before 2.16.0),
+    as may a build of one's own: only the image tag can date it, so the user says so."""
+    with FakeKfp(tag_name=tag) as fake:
+        assert _submit("--endpoint", fake.url) == 2
+        _, err = capsys.readouterr()
+        assert err.startswith(
+            f"kubellm: error: KFP at {fake.url} does not announce its backend version "
+            f"(/apis/v2beta1/healthz answered tag_name {tag!r}, "
+        ), err
+        assert NEEDS in err and "--skip-version-check" in err and "ml-pipeline" in err
+        assert err.count("\n") == 1, err
+        assert fake.runs == {}
+
+        assert _submit("--endpoint", fake.url, "--skip-version-check") == 0
+        assert fake.errors == [] and len(fake.runs) == 1
+
+
+def test_skip_version_check_sends_to_an_old_backend_which_refuses_the_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Skipped, the run reaches a 2.15 server, whose compiler refuses it (see below)."""
+    with FakeKfp(tag_name="2.15.0") as fake:
+        assert _submit("--endpoint", fake.url, "--skip-version-check") == 2
+        _, err = capsys.readouterr()
+        assert err.startswith(f"kubellm: error: KFP at {fake.url} refused the run (500): ")
+        assert "securityContext" in err and err.count("\n") == 1, err
+        assert fake.runs == {}
+
+
+@pytest.mark.parametrize(
+    ("tag", "parsed"),
+    [
+        ("2.17.0", (2, 17, 0)),
+        ("v2.15.1", (2, 15, 1)),
+        ("2.16.0-rc.1", (2, 16, 0)),
+        ("2.5", (2, 5, 0)),
+        ("unknown", None),
+        ("master", None),
+        ("1.0-dev", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_parse_backend_version(tag: Any, parsed: tuple[int, int, int] | None) -> None:
+    assert parse_backend_version(tag) == parsed
+
+
+def test_a_healthz_that_is_not_json_is_refused_in_one_line() -> None:
+    """An auth proxy's HTML login page at /apis/...: not a version, not a traceback."""
+    error = backend_version_error("https://kf.example.com/pipeline", None)
+    assert error is not None and "\n" not in error
+    assert "answered a body that is not JSON" in error and "--skip-version-check" in error
+
+
+@pytest.mark.parametrize(
+    ("tag", "v2", "v1"),
+    [
+        (
+            "2.17.0",
+            {
+                "commit_sha": "unknown",
+                "tag_name": "2.17.0",
+                "multi_user": False,
+                "pipeline_store": "database",
+            },
+            {"commit_sha": "unknown", "tag_name": "2.17.0", "multi_user": False},
+        ),
+        (
+            "2.5.0",
+            {"commit_sha": "unknown", "tag_name": "2.5.0", "multi_user": False},
+            {"commit_sha": "unknown", "tag_name": "2.5.0", "multi_user": False},
+        ),
+    ],
+)
+def test_fake_healthz_is_the_api_servers_http_handler(
+    tag: str, v2: dict[str, Any], v1: dict[str, Any]
+) -> None:
+    """main.go's handler, not the proto's GetHealthzResponse (which has no version)."""
+    with FakeKfp(tag_name=tag) as fake:
+        assert requests.get(f"{fake.url}/apis/v2beta1/healthz", timeout=10).json() == v2
+        assert requests.get(f"{fake.url}/apis/v1beta1/healthz", timeout=10).json() == v1
+
+
+def _direct_run(fake: FakeKfp, platform: dict[str, Any]) -> requests.Response:
+    experiment = fake.add_experiment("direct")
+    spec, _ = _compiled()
+    body = {
+        "display_name": "direct-run",
+        "experiment_id": experiment["experiment_id"],
+        "pipeline_spec": {"pipeline_spec": spec, "platform_spec": platform},
+    }
+    return requests.post(f"{fake.url}{API}/runs", json=body, timeout=10)
+
+
+def test_fake_at_2_15_refuses_the_compiled_security_context() -> None:
+    """Why the minimum is 2.16, not 2.15: the 2.15 API server's compiler parses each
+    executor's Kubernetes config strictly, and its proto has no securityContext."""
+    _, platform = _compiled()
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert any("securityContext" in e for e in executors.values())  # set_security_context
+    with FakeKfp(tag_name="2.15.0") as fake:
+        resp = _direct_run(fake, platform)
+        assert resp.status_code == 500
+        message = resp.json()["message"]
+        assert message.startswith("Internal error: Failed to generate the ExecutionSpec: ")
+        assert "failed to unmarshal kubernetes config" in message and "securityContext" in message
+        assert fake.runs == {}
+    with FakeKfp(tag_name="2.16.0") as fake:
+        assert _direct_run(fake, platform).status_code == 200
+        assert fake.errors == []
+
+
+def test_fake_refuses_an_unknown_kubernetes_executor_field() -> None:
+    _, platform = _compiled()
+    platform = copy.deepcopy(platform)
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    next(iter(executors.values()))["secretAsEnvv"] = []
+    with FakeKfp() as fake:
+        resp = _direct_run(fake, platform)
+        assert resp.status_code == 500
+        assert "secretAsEnvv" in resp.json()["message"]
+        assert fake.runs == {}

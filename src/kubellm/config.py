@@ -57,6 +57,45 @@ Quantity = Annotated[
     str,
     Field(pattern=r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[KMGTPE]i?|[munkMGTPE])?$"),
 ]
+# The same, or empty for "work it out from the other settings" (job_cpu, job_memory).
+QuantityOrAuto = Annotated[
+    str,
+    Field(
+        pattern=r"^([+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[KMGTPE]i?|[munkMGTPE])?)?$"
+    ),
+]
+_SUFFIX = {
+    "": 1.0,
+    "m": 1e-3,
+    "u": 1e-6,
+    "n": 1e-9,
+    **{s: 1000.0**i for i, s in enumerate("kMGTPE", 1)},
+    **{f"{s}i": 1024.0**i for i, s in enumerate("KMGTPE", 1)},
+}
+GI = 1024.0**3
+# Defaults of a training pod's share of its node, per training process (rank): what `job_cpu`
+# and `job_memory` come to when left empty. The memory-backed /dev/shm (`shm_size`) counts
+# against the container's memory limit, so it is added on top.
+CPU_PER_RANK = 2
+MEMORY_PER_RANK_GI = 8
+# The least an explicit job_memory must leave each rank once /dev/shm is taken.
+MIN_MEMORY_PER_RANK_GI = 2
+# Processes per node when no GPUs are requested and nproc_per_node is 0 (auto).
+CPU_NPROC = 2
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes quantity as a number (`500m` -> 0.5, `16Gi` -> 17179869184.0)."""
+    m = re.fullmatch(r"[+]?([0-9.]+)([eE][-+]?[0-9]+)?([a-zA-Z]*)", text.strip())
+    if not m or m[3] not in _SUFFIX:
+        raise ValueError(f"not a Kubernetes quantity: {text!r}")
+    return float(m[1] + (m[2] or "")) * _SUFFIX[m[3]]
+
+
+def _gi(value: float) -> str:
+    return f"{value / GI:g}Gi"
+
+
 # DNS-1035 label: what the PyTorchJob webhook, Katib and KServe accept as a name.
 DNS_1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
@@ -238,7 +277,13 @@ class PipelineConfig(_Strict):
     lora_r: LoraRankOrOff = Field(
         0, description="LoRA rank (PEFT) for the training jobs; 0: full training."
     )
-    nproc_per_node: int = Field(2, ge=1, le=64, description="Training processes per node.")
+    nproc_per_node: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="Training processes per node; 0: one per GPU (gpus_per_node) when GPUs are "
+        f"requested, else {CPU_NPROC}.",
+    )
     num_nodes: int = Field(1, ge=1, le=1024, description="Training nodes (PyTorchJob workers).")
     gate_min_accuracy: float = Field(
         0.2, ge=0, le=1, description="Held-out exact-match accuracy the model must reach to ship."
@@ -352,16 +397,48 @@ class PipelineConfig(_Strict):
     gpus_per_node: int = Field(
         0, ge=0, le=16, description="GPUs each training pod requests (nvidia.com/gpu); 0: CPU."
     )
-    job_cpu: Quantity = Field("4", description="CPU request and limit of each training pod.")
-    job_memory: Quantity = Field(
-        "16Gi", description="Memory request and limit of each training pod."
+    job_cpu: QuantityOrAuto = Field(
+        "",
+        description="CPU request and limit of each training pod; empty: "
+        f"{CPU_PER_RANK} per training process (nproc_per_node).",
+    )
+    job_memory: QuantityOrAuto = Field(
+        "",
+        description=f"Memory request and limit of each training pod; empty: {MEMORY_PER_RANK_GI}Gi "
+        "per training process plus shm_size (the memory-backed /dev/shm counts against it).",
+    )
+    job_max_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="Retryable failures (pods recreated after a pre-emption or a retryable "
+        "exit) a training job may have; one more and the step deletes it and fails.",
     )
     step_cpu: Quantity = Field("1", description="CPU request and limit of each pipeline step.")
     step_memory: Quantity = Field(
         "4Gi", description="Memory request and limit of each pipeline step."
     )
     shm_size: Quantity = Field(
-        "8Gi", description="Size of /dev/shm (memory-backed) in training pods."
+        "8Gi",
+        description="Size of /dev/shm (memory-backed) in training pods; it counts against "
+        "job_memory.",
+    )
+    evaluate_cpu: Quantity = Field(
+        "2", description="CPU request and limit of the evaluate step (it loads the model)."
+    )
+    evaluate_memory: Quantity = Field(
+        "8Gi",
+        description="Memory request and limit of the evaluate step (the model twice: "
+        "candidate and champion; about 8 bytes a parameter in fp32).",
+    )
+    evaluate_gpus: int = Field(
+        0, ge=0, le=16, description="GPUs (nvidia.com/gpu) of the evaluate step; 0: CPU."
+    )
+    register_cpu: Quantity = Field(
+        "1", description="CPU request and limit of the register step (it logs the model)."
+    )
+    register_memory: Quantity = Field(
+        "8Gi", description="Memory request and limit of the register step."
     )
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Node labels training pods must match."
@@ -441,6 +518,41 @@ class PipelineConfig(_Strict):
         if negative:
             raise ValueError(f"gate_guards bounds must be >= 0, got {', '.join(negative)}")
         return value
+
+    @model_validator(mode="after")
+    def _sizes(self) -> PipelineConfig:
+        """Resolve what was left to follow the GPUs (nproc_per_node 0, job_cpu/job_memory
+        empty), then check explicit pod sizes against the ranks they must hold."""
+        if self.nproc_per_node == 0:
+            self.nproc_per_node = self.gpus_per_node or CPU_NPROC
+        ranks = self.nproc_per_node
+        shm = quantity(self.shm_size)
+        if not self.job_cpu:
+            self.job_cpu = str(CPU_PER_RANK * ranks)
+        if not self.job_memory:
+            self.job_memory = _gi(MEMORY_PER_RANK_GI * GI * ranks + shm)
+        if quantity(self.job_cpu) < ranks:
+            raise ValueError(
+                f"job_cpu ({self.job_cpu}) is less than one CPU for each of the "
+                f"{ranks} training processes per pod (nproc_per_node); leave job_cpu empty "
+                f"for {CPU_PER_RANK} per process"
+            )
+        left = quantity(self.job_memory) - shm
+        if left < MIN_MEMORY_PER_RANK_GI * GI * ranks:
+            raise ValueError(
+                f"job_memory ({self.job_memory}) leaves {_gi(max(left, 0))} once /dev/shm "
+                f"(shm_size {self.shm_size}, memory-backed, counted against the limit) is "
+                f"taken: less than {MIN_MEMORY_PER_RANK_GI}Gi for each of the {ranks} training "
+                f"processes; leave job_memory empty for {MEMORY_PER_RANK_GI}Gi per process plus "
+                "shm_size"
+            )
+        if self.gpus_per_node > self.nproc_per_node:
+            raise ValueError(
+                f"nproc_per_node ({self.nproc_per_node}) is less than gpus_per_node "
+                f"({self.gpus_per_node}): {self.gpus_per_node - self.nproc_per_node} GPU(s) "
+                "per pod would sit idle; set nproc_per_node=0 (one process per GPU)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> PipelineConfig:

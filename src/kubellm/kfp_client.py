@@ -11,7 +11,10 @@ the client's exceptions into one-line `ConfigError`s, so both commands behave al
   (`ps` and shell history would show it) nor as a pipeline parameter. kfp.Client skips the
   in-cluster token whenever a host is given, so it is honoured here;
 - UI link: `--ui-url` or `$KF_PIPELINES_UI_ENDPOINT` (kfp's variable), else derived from the
-  endpoint when that is certain, else none and a sentence saying how to get one.
+  endpoint when that is certain, else none and a sentence saying how to get one;
+- backend version: what the API server announces at `/apis/v2beta1/healthz`; an older
+  backend than `MIN_BACKEND`, or one that does not say, is refused before anything is sent
+  (`check_backend_version`), unless `--skip-version-check`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +40,22 @@ SA_TOKEN_PATH_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
 SA_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
 UI_ENV = "KF_PIPELINES_UI_ENDPOINT"  # kfp.client.client.KF_PIPELINES_UI_ENDPOINT_ENV
 API_PORTS = {8888, 8887}  # ml-pipeline's HTTP and gRPC ports: the API server, which has no UI
+
+# The oldest KFP backend the compiled pipeline runs on, and the one we test against. Why
+# (README "Supported versions"): the exit handler's PipelineTaskFinalStatus input needs 2.14
+# (2.5's argocompiler: "task final status not supported yet"); optional Secret/ConfigMap env
+# needs 2.15 (before, every step waits in CreateContainerConfigError when the optional
+# `mlflow-credentials` Secret is missing); `set_security_context` needs 2.16: the API
+# server's compiler parses each executor's Kubernetes config strictly against its proto
+# (argocompiler/container.go), which has no securityContext before 2.16, so 2.15 refuses
+# the run; 2.17 propagates the state of nested dsl.If groups (before, the exit handler's
+# group can stay "Running" after its tasks finish).
+MIN_BACKEND = (2, 16)
+RECOMMENDED_BACKEND = (2, 17)
+HEALTHZ = "/apis/v2beta1/healthz"
+_NOT_ASKED = object()  # healthz not fetched yet (kfp.Client skips it when given a namespace)
+# a release tag as KFP names them: 2.17.0, 2.0.0-rc.1 (a `v` tolerated); not 1.0-dev, master
+_RELEASE = re.compile(r"v?(\d+)\.(\d+)(?:\.(\d+))?(?:-(?:alpha|beta|rc)\.\d+)?")
 
 
 def add_kfp_args(p: argparse.ArgumentParser) -> None:
@@ -71,6 +91,17 @@ def add_kfp_args(p: argparse.ArgumentParser) -> None:
         help="ServiceAccount the steps run as (its Role lets them create jobs; "
         "manifests/base/rbac.yaml); empty: the profile's default",
     )
+    p.add_argument(
+        "--skip-version-check",
+        action="store_true",
+        help=f"do not refuse a KFP backend older than {_dotted(MIN_BACKEND)} or one that "
+        "announces no version (official images before 2.16.0 say 'unknown'; a build of "
+        "your own may too): check the ml-pipeline image tag yourself first",
+    )
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(str(n) for n in version)
 
 
 @dataclass(frozen=True)
@@ -164,9 +195,61 @@ def pipeline_arguments(pipeline: str, overrides: list[str]) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in values}  # `0` for a float field goes out as 0.0
 
 
-def connect(args: argparse.Namespace) -> Any:
-    """A kfp.Client for `args.endpoint`, authenticated as `resolve_token` decides."""
+def parse_backend_version(tag_name: Any) -> tuple[int, int, int] | None:
+    """The release a healthz `tag_name` names (`2.17.0`, `v2.15.1`, `2.16.0-rc.1`), or None
+    when it names none: `unknown` (the Dockerfile's default, what official images before
+    2.16.0 report), `master`, `1.0-dev`, empty or missing."""
+    match = _RELEASE.fullmatch(tag_name.strip()) if isinstance(tag_name, str) else None
+    if not match:
+        return None
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+def backend_version_error(endpoint: str, healthz: Any) -> str | None:
+    """Why kubellm will not send to the backend whose healthz body is `healthz`, or None.
+
+    The API server's HTTP healthz handler writes `{commit_sha, tag_name, multi_user[,
+    pipeline_store]}`, `tag_name` from the image's `TAG_NAME` (backend/src/apiserver/main.go,
+    backend/Dockerfile). kfp_server_api's V2beta1GetHealthzResponse drops `tag_name`, so the
+    body is read raw. A server that does not say is refused too: the official images carry
+    the tag from 2.16.0 on (kubeflow/pipelines#12795), so one saying `unknown` is an older
+    official image (Kubeflow 1.10's 2.5.0 among them) or a build of its own, which only its
+    image tag can date; `--skip-version-check` is for the latter.
+    """
+    need = f"kubellm needs KFP backend {_dotted(MIN_BACKEND)} or newer "
+    need += f"({_dotted(RECOMMENDED_BACKEND)} recommended; README 'Supported versions')"
+    tag = healthz.get("tag_name") if isinstance(healthz, dict) else None
+    found = parse_backend_version(tag)
+    if found is None:
+        said = f"tag_name {tag!r}" if isinstance(healthz, dict) else "a body that is not JSON"
+        return (
+            f"KFP at {endpoint} does not announce its backend version ({HEALTHZ} answered "
+            f"{said}, as official images before 2.16.0 do); {need}: check the ml-pipeline "
+            "image tag (kubectl -n kubeflow get deploy ml-pipeline -o jsonpath='{..image}') "
+            "and pass --skip-version-check only if it is a newer build of your own"
+        )
+    if found[:2] < MIN_BACKEND:
+        return f"KFP at {endpoint} runs backend {tag}; {need}"
+    return None
+
+
+def check_backend_version(client: Any, endpoint: str) -> None:
+    """Refuse, in one line naming the minimum and what was found, a backend that cannot run
+    the compiled pipeline (see `MIN_BACKEND`), before a run or schedule is sent to it. Uses
+    the healthz body kfp.Client fetched while connecting when it did (no namespace given)."""
+    if client.healthz_body is _NOT_ASKED:
+        with kfp_errors(endpoint, "connecting"):
+            client.get_kfp_healthz()
+    error = backend_version_error(endpoint, client.healthz_body)
+    if error:
+        raise ConfigError(error)
+
+
+def connect(args: argparse.Namespace, *, check_version: bool = True) -> Any:
+    """A kfp.Client for `args.endpoint`, authenticated as `resolve_token` decides; with
+    `check_version` (what creates or enables runs), one whose backend is new enough."""
     import kfp
+    import kfp_server_api
     from kfp.client.set_volume_credentials import ServiceAccountTokenVolumeCredentials
 
     if not args.endpoint:
@@ -180,17 +263,33 @@ def connect(args: argparse.Namespace) -> Any:
         kwargs["credentials"] = ServiceAccountTokenVolumeCredentials(path=token.path)
 
     class _Client(kfp.Client):  # type: ignore[misc]
+        healthz_body: Any = _NOT_ASKED
+
         def get_kfp_healthz(self, sleep_duration: int = 5) -> Any:
-            """One attempt: kfp retries 5 times 5 s apart, and a 401 never heals by waiting."""
-            return self._healthz_api.healthz_service_get_healthz()
+            """One attempt: kfp retries 5 times 5 s apart, and a 401 never heals by waiting.
+            The body is kept raw (`healthz_body`: its `tag_name`, which the model drops)."""
+            response = self._healthz_api.healthz_service_get_healthz(
+                _preload_content=False, _request_timeout=30
+            )
+            try:
+                self.healthz_body = json.loads(response.data)
+            except (TypeError, ValueError):
+                self.healthz_body = None
+            body = self.healthz_body if isinstance(self.healthz_body, dict) else {}
+            return kfp_server_api.V2beta1GetHealthzResponse(
+                multi_user=body.get("multi_user"), pipeline_store=body.get("pipeline_store")
+            )
 
     with kfp_errors(args.endpoint, "connecting"):
-        return _Client(
+        client = _Client(
             host=args.endpoint,
             namespace=args.namespace or "kubeflow",  # kfp's default means "not multi-user"
             ui_host=ui_base(args.endpoint, args.ui_url),
             **kwargs,
         )
+    if check_version and not getattr(args, "skip_version_check", False):
+        check_backend_version(client, args.endpoint)
+    return client
 
 
 def _message(err: Any) -> str:

@@ -5,6 +5,10 @@ kubellm schedule pipelines/llm_train.yaml --cron '0 2 * * *' --endpoint http://l
 kubellm schedule --list --endpoint http://localhost:8888
 kubellm schedule --pause  --endpoint http://localhost:8888     # --resume, --delete
 
+Creating, updating and resuming refuse a KFP backend older than 2.16, or one that does not
+announce its version, as `kubellm submit` does (kfp_client.check_backend_version;
+--skip-version-check); --list, --pause and --delete run nothing and work on any backend.
+
 The YAML goes up as a pipeline (created when missing) and a version named by its content
 hash, reused when the same bytes are already there, so every scheduled run links to the exact
 pipeline it ran. KFP v2beta1 has no update for recurring runs; a changed schedule is created
@@ -339,7 +343,7 @@ def _create_or_update(
 
 
 def _change_state(args: argparse.Namespace, action: str, name: str) -> int:
-    client = connect(args)
+    client = connect(args, check_version=action == "resume")  # resume starts runs again
     with kfp_errors(args.endpoint, f"{action} of the recurring run"):
         _, runs = _find(client, args, name, create=False)
         if not runs:
@@ -361,7 +365,7 @@ def _change_state(args: argparse.Namespace, action: str, name: str) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    client = connect(args)
+    client = connect(args, check_version=False)  # listing runs nothing
     rows = [("NAME", "CRON", "STATE", "PIPELINE VERSION", "ID")]
     with kfp_errors(args.endpoint, "listing recurring runs"):
         _, runs = _find(client, args, args.name, create=False)

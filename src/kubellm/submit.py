@@ -1,4 +1,8 @@
-"""`kubellm submit`: create a run of a compiled pipeline on a Kubeflow Pipelines endpoint."""
+"""`kubellm submit`: create a run of a compiled pipeline on a Kubeflow Pipelines endpoint.
+
+It refuses, in one line and before anything is created, a KFP backend older than 2.16 or one
+that does not announce its version (kfp_client.check_backend_version; --skip-version-check).
+"""
 
 from __future__ import annotations
 

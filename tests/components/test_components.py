@@ -319,6 +319,7 @@ def test_summarize_stops_the_server_and_closes_the_run(
             runs_dir=params["runs_dir"],
             experiment_name=params["experiment_name"],
             model_name="tiny-test",
+            namespace="kubellm",
             kfp_run_id=RUN,
         )
         with dsl.ExitHandler(report):

@@ -1,7 +1,11 @@
 """End to end with `platform=kubernetes`, on the simulated cluster (tests/fakes/sim_cluster.py).
 
-The compiled YAML runs under kfp.local as in `make run`, but every stage goes through the
-Kubernetes backends: preflight's fabric check and training are PyTorchJobs of two "pods"
+The compiled YAML runs under kfp.local as in `make run`, behind a fake of the KFP v2
+runtime (tests/fakes/kfp_runtime.py): the root driver and each step's launcher make their own
+API requests (ConfigMap kfp-launcher, the artifact store's Secret, which KFP's profile
+controller creates in the namespace manifests/base/namespace.yaml labels) as the run's
+ServiceAccount, and the exit handler gets the backend's state (COMPLETE). Every stage goes
+through the Kubernetes backends: preflight's fabric check and training are PyTorchJobs of two "pods"
 (local processes the fake kubelet starts with the operator's PET_* environment, which
 rendezvous like a 2-node job), tuning is a Katib Experiment whose trials' metrics are read
 by Katib's StdOut collector from the trainer's real output, and the model is served by an
@@ -22,11 +26,17 @@ from typing import Any
 
 import pytest
 
+from fakes.kfp_runtime import (
+    ARTIFACT_SECRET,
+    LAUNCHER_CONFIGMAP,
+    install_profile_objects,
+    namespace_labels,
+)
 from fakes.sim_cluster import SimCluster
 from kubellm.config import pipeline_config
 from tracking.mlflow_server import running_mlflow_server
 
-from .conftest import HALF_LEARNABLE_STEPS, REPO, SMALL
+from .conftest import HALF_LEARNABLE_STEPS, REPO, SMALL, STAGES
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "kubellm"
@@ -43,17 +53,21 @@ def summary_rows(text: str) -> dict[str, str]:
 
 def run_pipeline(root: Path, env: dict[str, str], overrides: dict[str, Any]) -> tuple[str, str]:
     """kfp.local runs the committed YAML (as `kubellm run --local` does, without forcing
-    platform=local); returns (the summary report, the executor's output)."""
+    platform=local) behind the KFP runtime's fake (`python -m fakes.kfp_runtime`, which
+    wraps kubellm.local_run's child); returns (the summary report, the output)."""
     cfg = pipeline_config(overrides)
     arguments = {k: getattr(cfg, k) for k in overrides}  # typed as the pipeline declares
     cmd = [
         sys.executable,
         "-m",
-        "kubellm.local_run",
+        "fakes.kfp_runtime",
         str(REPO / "pipelines" / "llm_train.yaml"),
         str(root),
         json.dumps(arguments),
     ]
+    # fakes/ is under tests/; appended, so nothing there shadows what the steps import
+    path = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO / "tests")) if p)
+    env = {**env, "PYTHONPATH": path}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     output = proc.stdout + proc.stderr
     reports = sorted(root.glob("*/summarize*/report"))
@@ -71,16 +85,32 @@ def test_the_pipeline_runs_on_the_simulated_cluster(tmp_path: Path, half_learnab
         SimCluster(tmp_path / "cluster") as sim,
         running_mlflow_server(tmp_path, tmp_path / "mlflow.db") as mlflow,
     ):
+        # KFP's profile controller syncs the namespace as manifests/base labels it
+        install_profile_objects(sim.fake, NAMESPACE, namespace_labels())
+        # each object as last stored: the exit handler deletes the run's jobs and experiments
+        seen: dict[tuple[str, str], dict[str, Any]] = {}
+        sim.fake.add_listener(lambda e: seen.__setitem__((e.plural, e.name), e.obj))
         env = {**base_env, **sim.env(NAMESPACE), "PYTHONUNBUFFERED": "1"}
         summary, output = run_pipeline(
             tmp_path / "kfp",
             env,
             {**params, **CLUSTER, "mlflow_tracking_uri": mlflow.url, "runs_dir": str(tmp_path)},
         )
+        # the backend said COMPLETE: that is success, with nothing listed as failed
         assert summary.splitlines()[0].endswith(": SUCCEEDED"), summary + output[-6000:]
+        assert "Failed stages:" not in summary, summary
         fake = sim.fake
         assert sim.errors == [] and fake.errors == [], (sim.errors, fake.errors)
         assert fake.forbidden == [], "a request the Role does not allow"
+
+        # the KFP runtime's own requests, as the run's ServiceAccount: the root driver read
+        # kfp-launcher once, and a launcher read the artifact Secret before every step
+        gets = [r.path for r in fake.requests if r.method == "GET"]
+        core = f"/api/v1/namespaces/{NAMESPACE}"
+        assert gets.count(f"{core}/configmaps/{LAUNCHER_CONFIGMAP}") == 1
+        launched = re.findall(r"^kfp-runtime: launcher ([\w-]+) ", output, flags=re.M)
+        assert {s.replace("_", "-") for s in STAGES} | {"summarize"} <= set(launched), launched
+        assert gets.count(f"{core}/secrets/{ARTIFACT_SECRET}") == len(launched)
 
         # preflight's fabric check and training: 2-node PyTorchJobs, both pods ran
         jobs = {j["metadata"]["name"]: j for j in fake.created("pytorchjobs")}
@@ -88,7 +118,7 @@ def test_the_pipeline_runs_on_the_simulated_cluster(tmp_path: Path, half_learnab
         assert any("-fabric-" in n for n in jobs)
         assert jobs[train]["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
         master = fake.pod_log(NAMESPACE, f"{train}-master-0")
-        worker = fake.get_object("pods", f"{train}-worker-0", NAMESPACE)
+        worker = seen.get(("pods", f"{train}-worker-0"))
         assert re.search(rf"train: {HALF_LEARNABLE_STEPS}/{HALF_LEARNABLE_STEPS} steps", master)
         assert "world_size=2" in master or "world 2" in master, master[-2000:]
         assert worker is not None and worker["status"]["phase"] == "Succeeded"  # rank 1 is quiet
@@ -100,7 +130,7 @@ def test_the_pipeline_runs_on_the_simulated_cluster(tmp_path: Path, half_learnab
 
         # tuning: one Experiment; Katib's collector read each trial's eval_loss
         (experiment,) = fake.created("experiments")
-        exp = fake.get_object("experiments", experiment["metadata"]["name"], NAMESPACE)
+        exp = seen.get(("experiments", experiment["metadata"]["name"]))
         assert exp is not None
         optimal = exp["status"]["currentOptimalTrial"]
         assert optimal["bestTrialName"].startswith(experiment["metadata"]["name"])

@@ -5,8 +5,10 @@ It serves the slice of the REST API the kubernetes Python client uses, for custo
 (`/apis/{group}/{version}[/namespaces/{ns}]/{plural}[/{name}[/status]]`) and pods
 (`/api/v1[/namespaces/{ns}]/pods[/{name}[/log|/status]]`): create, get, list, watch, replace,
 merge patch, delete (with the garbage collector's cascade), deletecollection, the status
-subresource and pod logs (`follow`, `tailLines`). What makes it worth having is that it is
-strict where a real API server is:
+subresource and pod logs (`follow`, `tailLines`); and ConfigMaps and Secrets
+(`/api/v1/namespaces/{ns}/configmaps|secrets[/{name}]`) read-only, get and list, from the
+dicts `config_maps` and `secrets` (what the KFP driver and launcher read: kfp_runtime.py).
+What makes it worth having is that it is strict where a real API server is:
 
 - every created or replaced body is validated against the real upstream schemas vendored in
   tests/fixtures/crds (see k8s_schemas.py); an invalid body gets HTTP 422 naming the field
@@ -52,7 +54,8 @@ start: ContainerCreating` (the kubelet's answer), so a client must wait for Runn
 
 Test controls (Python calls, thread-safe, never authorized, each emitting the watch events
 the same change over HTTP would): set_status, patch_status, script_status, on_create,
-on_delete, add_listener, fail, add_pod, set_pod_phase, append_log, pod_log, put_object,
+on_admit (a mutating webhook: Katib's pod webhook), on_delete, add_listener, fail, add_pod,
+set_pod_phase, append_log, pod_log, put_object,
 create_object, delete_object, get_object, list_objects, created, validate, history,
 drop_watches, compact; records: requests, errors, deleted, forbidden.
 
@@ -68,6 +71,7 @@ delete, a resourceVersion ahead of the server is accepted instead of waiting the
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import copy
 import json
@@ -92,6 +96,7 @@ from kubernetes import client as k8s
 from .http_fake import JsonHandler, LoopbackFake
 from .k8s_rbac import REPO_RBAC, Attributes, Denied, Role, status_forbidden, verb_of
 from .k8s_schemas import Validator, crds_dir, missing_files, missing_reason, validators
+from .qos import pod_qos
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,10 @@ RESOURCES = {
     "inferenceservices": Kind("serving.kserve.io", "v1beta1", "InferenceService"),
     "pods": Kind("", "v1", "Pod"),
 }
+# Core objects served read-only from plain dicts (`FakeK8s.config_maps` / `FakeK8s.secrets`,
+# which SimCluster shares as `sim.config_maps` / `sim.secrets`): (namespace, name) -> the
+# string data. The KFP driver and launcher GET them (fakes/kfp_runtime.py).
+CORE_STORES = {"configmaps": "ConfigMap", "secrets": "Secret"}
 # The subresources served per plural (everything else under a name is 404).
 SUBRESOURCES = {"pods": ("log", "status")}
 DEFAULT_SUBRESOURCES = ("status",)
@@ -168,6 +177,8 @@ ABORT = b"\x00abort"  # a chunk that tells the handler to drop the connection mi
 Key = tuple[str, str, str]  # plural, namespace, name
 OnCreate = Callable[["FakeK8s", dict[str, Any]], None]
 OnDelete = Callable[["FakeK8s", dict[str, Any]], None]
+# A mutating admission webhook: (fake, body, namespace) -> the body to store (or ApiError).
+Mutate = Callable[["FakeK8s", dict[str, Any], str], dict[str, Any]]
 Listener = Callable[[Event], None]
 
 _CUSTOM = re.compile(
@@ -348,6 +359,7 @@ class FakeK8s(LoopbackFake):
         self._scripts: dict[Key, list[dict[str, Any]]] = {}
         self._on_create: dict[str, list[OnCreate]] = {}
         self._on_delete: dict[str, list[OnDelete]] = {}
+        self._mutators: dict[str, list[Mutate]] = {}  # on_admit
         self._listeners: list[Listener] = []
         self._failures: list[tuple[str, str, int]] = []  # method, path substring, code
         # Never 0: a list's resourceVersion "0" would mean "any" to a watch (etcd starts at 1).
@@ -358,6 +370,9 @@ class FakeK8s(LoopbackFake):
         self._epoch = 0  # bumped by drop_watches
         self._drop_clean = False
         self._closing = False
+        # ConfigMaps and Secrets: (namespace, name) -> string data (see CORE_STORES)
+        self.config_maps: dict[tuple[str, str], dict[str, str]] = {}
+        self.secrets: dict[tuple[str, str], dict[str, str]] = {}
         self.requests: list[Recorded] = []
         self.errors: list[str] = []  # every validation error, across requests
         self.deleted: list[Key] = []
@@ -434,6 +449,8 @@ class FakeK8s(LoopbackFake):
         old = self._objects[key]
         obj = copy.deepcopy(old)
         obj["status"] = copy.deepcopy(status)
+        if key[0] == "pods" and "qosClass" in (old.get("status") or {}):  # immutable (qos.py)
+            obj["status"].setdefault("qosClass", old["status"]["qosClass"])
         self.errors += [f"{key[0]}/{key[2]} status: {e}" for e in self.validate(key[0], obj)]
         self._store(key, obj, "MODIFIED", old)
 
@@ -464,6 +481,13 @@ class FakeK8s(LoopbackFake):
         """Call `callback(fake, obj)` after each create of `plural` (e.g. to add its pods)."""
         with self._lock:
             self._on_create.setdefault(plural, []).append(callback)
+
+    def on_admit(self, plural: str, mutate: Mutate) -> None:
+        """A mutating admission webhook on CREATE of `plural` (Katib's pod webhook): called
+        with the body before validation and defaulting, as the API server runs mutating
+        admission before its create strategy; it returns the body to store."""
+        with self._lock:
+            self._mutators.setdefault(plural, []).append(mutate)
 
     def on_delete(self, plural: str, callback: OnDelete) -> None:
         """Call `callback(fake, obj)` after each delete of `plural` (cascaded ones too)."""
@@ -728,6 +752,8 @@ class FakeK8s(LoopbackFake):
     def _serve(
         self, method: str, r: Route, query: dict[str, list[str]], body: Any
     ) -> tuple[int, Any]:
+        if r.group == "" and r.plural in CORE_STORES:
+            return self._serve_store(method, r, query)
         kind = RESOURCES.get(r.plural)
         if kind is None or (kind.group, kind.version) != (r.group, r.version):
             raise _no_resource()
@@ -774,6 +800,57 @@ class FakeK8s(LoopbackFake):
                     return 200, self._replace_status(key, kind, current, body)
                 return 200, self._replace(key, kind, current, body)
         raise ApiError(405, status_body(405, "MethodNotAllowed", method))
+
+    def _serve_store(self, method: str, r: Route, query: dict[str, list[str]]) -> tuple[int, Any]:
+        """ConfigMaps and Secrets: get and list, from the dicts; a missing one is 404
+        NotFound (`configmaps "kfp-launcher" not found`), which is all the KFP driver
+        tolerates (backend/src/v2/config/env.go `FromConfigMap`)."""
+        if r.sub:
+            raise _no_resource()
+        if method != "GET" or (query.get("watch") or [""])[0].lower() in ("true", "1"):
+            raise ApiError(
+                405,
+                status_body(
+                    405,
+                    "MethodNotAllowed",
+                    f"the fake serves {r.plural} read-only (get, list): a test puts them in "
+                    f"SimCluster.{'secrets' if r.plural == 'secrets' else 'config_maps'}",
+                ),
+            )
+        store = self.secrets if r.plural == "secrets" else self.config_maps
+        with self._lock:
+            if r.name:
+                if not r.namespace:
+                    raise _no_resource()
+                data = store.get((r.namespace, r.name))
+                if data is None:
+                    raise self._not_found(r.plural, r.name)
+                return 200, self._core_object(r.plural, r.namespace, r.name, data)
+            items = [
+                self._core_object(r.plural, ns, name, data)
+                for (ns, name), data in sorted(store.items())
+                if r.namespace in ("", ns)
+            ]
+            kind = CORE_STORES[r.plural]
+            return 200, {
+                "apiVersion": "v1",
+                "kind": f"{kind}List",
+                "metadata": {"resourceVersion": str(self._rv)},
+                "items": items,
+            }
+
+    def _core_object(self, plural: str, ns: str, name: str, data: dict[str, str]) -> dict[str, Any]:
+        obj: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": CORE_STORES[plural],
+            "metadata": {"name": name, "namespace": ns, "resourceVersion": str(self._rv)},
+        }
+        if plural == "secrets":  # Secret.data is base64, as the API server returns it
+            obj["type"] = "Opaque"
+            obj["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+        else:
+            obj["data"] = dict(data)
+        return obj
 
     # --------------------------------------------------------------- reads
 
@@ -1063,6 +1140,8 @@ class FakeK8s(LoopbackFake):
             # names.SimpleNameGenerator: the prefix and 5 random [a-z0-9] (bcdf... in truth)
             suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
             meta["name"] = meta["generateName"] + suffix
+        for mutate in list(self._mutators.get(plural, [])):
+            body = mutate(self, body, ns)
         self._check(plural, kind, ns, body)
         name = body["metadata"]["name"]
         key = (plural, ns, name)
@@ -1080,8 +1159,8 @@ class FakeK8s(LoopbackFake):
         obj = self._stamp(obj, ns)
         if plural != "pods":
             obj.pop("status", None)  # status is the controller's (a subresource)
-        else:
-            obj["status"] = {"phase": "Pending"}
+        else:  # pod strategy PrepareForCreate (see qos.py)
+            obj["status"] = {"phase": "Pending", "qosClass": pod_qos(obj)}
         self._store(key, obj, "ADDED", None)
         for callback in list(self._on_create.get(plural, [])):
             callback(self, copy.deepcopy(obj))

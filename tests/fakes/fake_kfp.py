@@ -3,7 +3,14 @@
 It serves the slice of the v2beta1 REST API that `kfp.Client` (and the `kfp` CLI) walk
 through for runs, uploaded pipelines and recurring runs:
 
-- `GET /apis/v2beta1/healthz` (the client asks whether the deployment is multi-user);
+- `GET /apis/v2beta1/healthz` and `/apis/v1beta1/healthz`: the API server's own HTTP handler
+  (registered on the top mux ahead of the grpc-gateway, so the proto's GetHealthzResponse is
+  not what answers), `{"commit_sha", "tag_name", "multi_user"}` plus `"pipeline_store"` on
+  v2beta1 from 2.14 on (kubeflow/pipelines backend/src/apiserver/main.go#L271-L282 @2.5.0,
+  #L465-L512 @2.17.0). `tag_name` is the image's TAG_NAME, default `unknown`
+  (backend/Dockerfile#L65-L66 @2.17.0); the release images are built with it only from
+  2.16.0 on (.github/workflows/build-and-push.yml, kubeflow/pipelines#12795; 2.4.0 answered
+  `unknown`: kubeflow/pipelines#11573). `FakeKfp(tag_name=...)` says which, default 2.17.0;
 - experiments: `GET /experiments?filter=...`, `POST /experiments`, `GET /experiments/{id}`;
 - runs: `POST /runs` (the compiled pipeline inline, or a pipeline_version_reference),
   `GET /runs/{id}`;
@@ -32,6 +39,13 @@ API server checks it:
   protobuf of kfp-pipeline-spec, has pipelineInfo.name, root.dag and deploymentSpec, and
   every executorLabel and componentRef it names exists;
 - a pipeline_version_reference names a pipeline and a version of it that exist;
+- each Kubernetes executor config of the platform spec parses strictly as a
+  KubernetesExecutorConfig, as the API server's argocompiler does when it compiles a run or
+  recurring run (`protojson.Unmarshal`, unknown fields refused: backend/src/v2/compiler/
+  argocompiler/container.go#L307-L309 @2.15.0), else 500 "failed to unmarshal kubernetes
+  config"; checked against the installed kfp-kubernetes proto (2.17), less
+  `securityContext` when the announced release is older than 2.16, whose proto lacks it
+  (kubernetes_platform/proto/kubernetes_executor_config.proto#L43 @2.16.0);
 - every runtime_config parameter is a declared root input parameter of that spec and its
   JSON value fits the declared parameterType (NUMBER_INTEGER: an integral number,
   NUMBER_DOUBLE: a number, STRING, BOOLEAN, LIST, STRUCT; a bool is never a number), and no
@@ -69,6 +83,7 @@ from urllib.parse import parse_qs, urlsplit
 import kfp_server_api
 import yaml
 from google.protobuf import json_format
+from kfp.kubernetes import kubernetes_executor_config_pb2
 from kfp.pipeline_spec import pipeline_spec_pb2
 
 from kubellm.schedule import robfig_cron_error
@@ -79,7 +94,9 @@ API = "/apis/v2beta1"
 
 # grpc status codes the gateway puts in error bodies
 _INVALID_ARGUMENT, _NOT_FOUND, _ALREADY_EXISTS, _UNIMPLEMENTED, _UNAUTHENTICATED = 3, 5, 6, 12, 16
+_INTERNAL = 13
 _HTTP = {
+    _INTERNAL: 500,
     _INVALID_ARGUMENT: 400,
     _NOT_FOUND: 404,
     _ALREADY_EXISTS: 409,
@@ -301,9 +318,20 @@ def _int64(value: Any) -> int | None:
 class FakeKfp(LoopbackFake):
     """The fake KFP API server; a context manager that serves on 127.0.0.1 on a free port."""
 
-    def __init__(self, *, multi_user: bool = False, token: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        multi_user: bool = False,
+        token: str | None = None,
+        tag_name: str = "2.17.0",
+        commit_sha: str = "unknown",
+    ) -> None:
         super().__init__()
         self.multi_user = multi_user
+        # what healthz announces: the release (`2.5.0`), or `unknown` as official images
+        # before 2.16.0 answer (built without the TAG_NAME build-arg)
+        self.tag_name = tag_name
+        self.commit_sha = commit_sha
         self.token = token  # when set, every request needs `Authorization: Bearer <token>`
         self._lock = threading.RLock()
         self.experiments: dict[str, dict[str, Any]] = {}
@@ -355,8 +383,8 @@ class FakeKfp(LoopbackFake):
                 return 500, {"error": repr(err), "code": 13, "message": repr(err), "details": []}
 
     def _route(self, method: str, path: str, query: dict[str, list[str]], body: Any) -> Any:
-        if (method, path) == ("GET", f"{API}/healthz"):
-            return {"multi_user": self.multi_user, "pipeline_store": "database"}
+        if method == "GET" and path in (f"{API}/healthz", "/apis/v1beta1/healthz"):
+            return self._healthz(v2=path.startswith(API))
         if path == f"{API}/experiments":
             if method == "GET":
                 return self._list_experiments(query)
@@ -378,6 +406,20 @@ class FakeKfp(LoopbackFake):
         if m := _RECURRING.match(path):
             return self._recurring_run_call(method, m["id"], m["verb"])
         raise _Reply(_UNIMPLEMENTED, f"the fake KFP server does not serve {method} {path}")
+
+    def _healthz(self, *, v2: bool) -> dict[str, Any]:
+        """The HTTP healthz body as main.go writes it at the announced release: the version
+        fields the proto (and so kfp_server_api's model) lacks; `pipeline_store` only on
+        v2beta1 and from 2.14 on (2.5.0 writes three fields; 2.17.0's v1beta1 omits it)."""
+        body: dict[str, Any] = {
+            "commit_sha": self.commit_sha,
+            "tag_name": self.tag_name,
+            "multi_user": self.multi_user,
+        }
+        release = re.match(r"v?(\d+)\.(\d+)", self.tag_name)
+        if v2 and (release is None or (int(release[1]), int(release[2])) >= (2, 14)):
+            body["pipeline_store"] = "database"
+        return body
 
     def _route_pipelines(
         self, method: str, path: str, query: dict[str, list[str]], body: Any
@@ -554,6 +596,8 @@ class FakeKfp(LoopbackFake):
         else:
             spec_errors = pipeline_spec_errors(spec)
             errors += spec_errors
+        if isinstance(spec, dict) and not spec_errors and not errors:
+            self._compile_kubernetes_config(spec)
         runtime = body.get("runtime_config") or {}
         if not isinstance(runtime, dict):
             errors.append("runtime_config: must be an object")
@@ -562,6 +606,29 @@ class FakeKfp(LoopbackFake):
             if isinstance(spec, dict) and not spec_errors:
                 errors += runtime_parameter_errors(spec, runtime.get("parameters"))
         return errors
+
+    def _compile_kubernetes_config(self, spec: dict[str, Any]) -> None:
+        """The argocompiler's strict parse of each executor's Kubernetes config: an unknown
+        field fails the whole compile, so the run is refused (an internal error, 500)."""
+        platform = spec.get("platform_spec") if "pipeline_spec" in spec else None
+        kubernetes = ((platform or {}).get("platforms") or {}).get("kubernetes") or {}
+        executors = (kubernetes.get("deploymentSpec") or {}).get("executors") or {}
+        release = re.match(r"v?(\d+)\.(\d+)", self.tag_name)
+        before_2_16 = release is not None and (int(release[1]), int(release[2])) < (2, 16)
+        for name, config in executors.items():
+            try:
+                if before_2_16 and isinstance(config, dict) and "securityContext" in config:
+                    raise json_format.ParseError('unknown field "securityContext"')
+                json_format.ParseDict(
+                    config, kubernetes_executor_config_pb2.KubernetesExecutorConfig()
+                )
+            except json_format.ParseError as err:
+                message = (
+                    "Internal error: Failed to generate the ExecutionSpec: Failed to compile "
+                    f"job: failed to unmarshal kubernetes config: {name}: {err}"
+                )
+                self.errors.append(message)
+                raise _Reply(_INTERNAL, message) from None
 
     # -- pipelines and versions
 

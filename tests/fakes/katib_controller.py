@@ -31,15 +31,38 @@ pkg/metricscollector) and cites the code each behaviour comes from:
   (`TrialSucceeded. Job reason: ...`) when the objective metric was observed; when the
   objective never appeared in the log: MetricsUnavailable (`MetricsUnavailable. Job reason:
   ...`, "Metrics are not available. Job message: ..."). Running turns False at the end.
-- metrics (the StdOut collector, file-metricscollector.go with common.DefaultFilter
-  `([\\w|-]+)\\s*=\\s*([+-]?\\d*(\\.\\d+)?([Ee][+-]?\\d+)?)`): the log of the pod matching
-  primaryPodLabels (and the job-name label) is parsed when the job succeeds; every
-  `name=value` of the objective or an additional metric counts; observation.metrics
-  [{name, min, max, latest}] (getMetrics: "unavailable" when never reported). The collector
-  sidecar is injected only in namespaces labelled `katib.kubeflow.org/metrics-collector-
-  injection: enabled` (sim.namespace_labels, which has it by default): without it nothing
-  is ever reported, and, as in trial_controller.go ("metrics are not reported, reconcile
-  requeued"), the trial stays Running and the experiment never finishes.
+- the pod webhook (pkg/webhook/v1beta1/pod/inject_webhook.go Mutate, utils.go; registered
+  on pod CREATE through FakeK8s.on_admit, before validation, as mutating admission runs),
+  only in namespaces labelled `katib.kubeflow.org/metrics-collector-injection: enabled`
+  (the MutatingWebhookConfiguration's namespaceSelector; sim.namespace_labels has it by
+  default) and only for pods a Trial owns through their owners (getKatibJob: pod ->
+  PyTorchJob -> Trial). Every such pod gets the Trial's labels plus
+  `katib.kubeflow.org/trial`, and its primary container (primaryContainerName; none: the
+  create is refused, 400) env KATIB_TRIAL_NAME from that label. The primary pod
+  (primaryPodLabels), unless the collector is Push, also gets: the sidecar
+  `metrics-logger-and-collector` (file-metrics-collector:v0.19.0, args -t -m -o-type -s-db
+  -path -format TEXT, resources the config defaults 50m/10Mi/500Mi requests and
+  500m/100Mi/5Gi limits), `shareProcessNamespace: true`, the emptyDir `metrics-volume` at
+  /var/log/katib on the sidecar and the primary container, and the primary container's
+  command rewritten (wrapWorkerContainer) to `sh -c "<command and args joined by spaces,
+  unquoted> 1>/var/log/katib/metrics.log 2>&1 && echo completed > /var/log/katib/$$$$.pid"`
+  (a command that already starts `sh -c`/`bash -c` keeps it and gets the rest appended;
+  with earlyStoppingRules the `|| if test -f ...` branch goes before the `&&`). The kubelet
+  turns `$$$$` into `$$`, which sh expands to its own pid. So the primary container's
+  stdout, its pod log, holds nothing of the program's output.
+- metrics (the StdOut collector: cmd/metricscollector/v1beta1/file-metricscollector
+  main.go, pns.go WaitMainProcesses, file-metricscollector.go CollectObservationLog with
+  common.DefaultFilter `([\\w|-]+)\\s*=\\s*([+-]?\\d*(\\.\\d+)?([Ee][+-]?\\d+)?)`): when the job
+  succeeds, the primary pod's metrics file (its metrics-volume, `sim.kubelet.empty_dir`) is
+  parsed, never the pod log, and only if the marker `<main pid>.pid` next to it says
+  `completed` (WaitPIDs: otherwise the sidecar exits on a fatal error and reports nothing).
+  Every `name=value` of the objective or an additional metric counts; observation.metrics
+  [{name, min, max, latest}] (getMetrics: "unavailable" when never reported). A pod the
+  webhook did not mutate has no collector: nothing is ever reported, and, as in
+  trial_controller.go ("metrics are not reported, reconcile requeued"), the trial stays
+  Running and the experiment never finishes. SIMPLIFIED: the sidecar is not a process (the
+  sim's kubelet runs only the first container); what it would report is read at the job's
+  success, when the sidecar would have reported it.
 - experiment status (experiment/util/status_util.go): Created "Experiment is created"
   (ExperimentCreated), Running "Experiment is running" (ExperimentRunning), then Succeeded
   (ExperimentGoalReached "Experiment has succeeded because Objective goal has reached",
@@ -64,10 +87,24 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from .fake_k8s import ApiError, Event, owner_reference
+from .fake_k8s import ApiError, Event, owner_reference, status_body
 from .sim_base import Controller, Key, find_condition, is_true, new_condition, now_rfc3339
 
 EXPERIMENT_LABEL = "katib.kubeflow.org/experiment"
+TRIAL_LABEL = "katib.kubeflow.org/trial"  # consts.LabelTrialName
+TRIAL_ENV = "KATIB_TRIAL_NAME"  # consts.EnvTrialName
+METRICS_FILE = "/var/log/katib/metrics.log"  # common.DefaultFilePath
+METRICS_VOLUME = "metrics-volume"  # common.MetricsVolume
+SIDECAR = "metrics-logger-and-collector"  # mccommon.MetricLoggerCollectorContainerName
+COLLECTOR_IMAGE = "ghcr.io/kubeflow/katib/file-metrics-collector:v0.19.0"  # katib-config.yaml
+# pkg/apis/config/v1beta1/defaults.go setResourceRequirements (no resources in katib-config)
+SIDECAR_RESOURCES = {
+    "requests": {"cpu": "50m", "memory": "10Mi", "ephemeral-storage": "500Mi"},
+    "limits": {"cpu": "500m", "memory": "100Mi", "ephemeral-storage": "5Gi"},
+}
+DB_MANAGER = "katib-db-manager.kubeflow:6789"  # GetDBManagerAddr with the defaults
+COMPLETED = "completed"  # mccommon.TrainingCompleted
+EARLY_STOPPED = "early-stopped"  # mccommon.TrainingEarlyStopped
 INJECTION_LABEL = "katib.kubeflow.org/metrics-collector-injection"
 DEFAULT_FILTER = r"([\w|-]+)\s*=\s*([+-]?\d*(\.\d+)?([Ee][+-]?\d+)?)"
 SUCCESS = 'status.conditions.#(type=="Succeeded")#|#(status=="True")#'
@@ -188,6 +225,26 @@ def objective_value(trial: dict[str, Any]) -> str:
     return UNAVAILABLE
 
 
+def wrap_command(container: dict[str, Any], early_stopping: bool) -> None:
+    """utils.go wrapWorkerContainer for the StdOut collector, in place."""
+    args = [*(container.get("command") or []), *(container.get("args") or [])]
+    command = ["sh", "-c"]
+    if len(args) >= 2 and args[0] in ("sh", "bash") and args[1] == "-c":
+        command, args = args[0:2], args[2:]
+    args.append(f"1>{METRICS_FILE} 2>&1")
+    marker_dir = METRICS_FILE.rsplit("/", 1)[0]
+    if early_stopping:  # getEarlyStoppingCommand
+        args += [
+            "||",
+            f"if test -f {marker_dir}/$$$$.pid && [ $(head -n 1 {marker_dir}/$$.pid) = "
+            f"{EARLY_STOPPED} ]; then echo Training Container was Early Stopped; "
+            "else echo Training Container was Failed; exit 1; fi",
+        ]
+    args += ["&&", f"echo {COMPLETED} > {marker_dir}/$$$$.pid"]  # getMarkCompletedCommand
+    container["command"] = command
+    container["args"] = [" ".join(args)]
+
+
 class Katib(Controller):
     name = "katib"
 
@@ -195,6 +252,110 @@ class Katib(Controller):
         super().__init__(sim)
         self._rngs: dict[str, random.Random] = {}
         self._grids: dict[str, Any] = {}
+
+    def start(self) -> None:
+        self.fake.on_admit("pods", self._mutate_pod)
+        super().start()
+
+    # ------------------------------------------------------------ the pod webhook
+
+    def _owning_trial(self, obj: dict[str, Any], ns: str) -> str | None:
+        """inject_webhook.go getKatibJob: the name of the job a Trial owns, through the
+        owners of `obj` (the job's name is the Trial's)."""
+        for owner in obj["metadata"].get("ownerReferences") or []:
+            if owner.get("kind") == "Trial" and owner.get("apiVersion") == "kubeflow.org/v1beta1":
+                return str(obj["metadata"]["name"])
+        for owner in obj["metadata"].get("ownerReferences") or []:
+            plural = {"PyTorchJob": "pytorchjobs"}.get(owner.get("kind", ""))
+            nested = self.fake.get_object(plural, owner["name"], ns) if plural else None
+            if nested is None:
+                return None  # errFailedToGetTrialTemplateJob: MutationRequired says no
+            found = self._owning_trial(nested, ns)
+            if found:
+                return found
+        return None
+
+    def _mutate_pod(self, _fake: Any, pod: dict[str, Any], ns: str) -> dict[str, Any]:
+        """inject_webhook.go Handle -> MutationRequired -> Mutate."""
+        if self.sim.namespace_labels[ns].get(INJECTION_LABEL) != "enabled":
+            return pod  # the webhook's namespaceSelector
+        job_name = self._owning_trial(pod, ns)
+        trial = self.fake.get_object("trials", job_name, ns) if job_name else None
+        if trial is None:
+            return pod
+        spec = trial["spec"]
+        mutated = copy.deepcopy(pod)
+        labels = mutated["metadata"].setdefault("labels", {})  # mutatePodMetadata
+        labels.update(trial["metadata"].get("labels") or {})
+        labels[TRIAL_LABEL] = trial["metadata"]["name"]
+        containers = mutated["spec"]["containers"]
+        primary = next(
+            (c for c in containers if c.get("name") == spec.get("primaryContainerName")), None
+        )
+        if primary is None:  # mutatePodEnv; Handle answers admission.Errored(400)
+            names = [c.get("name") for c in containers]
+            raise ApiError(
+                400,
+                status_body(
+                    400,
+                    "BadRequest",
+                    'admission webhook "mutator.pod.katib.kubeflow.org" denied the request: '
+                    f"Unable to find primary container {spec.get('primaryContainerName')!r} "
+                    f"in mutated pod containers {names}",
+                ),
+            )
+        primary.setdefault("env", []).append(
+            {
+                "name": TRIAL_ENV,
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{TRIAL_LABEL}']"}},
+            }
+        )
+        wanted = spec.get("primaryPodLabels") or {}
+        original = pod["metadata"].get("labels") or {}
+        if wanted and any(original.get(k) != v for k, v in wanted.items()):
+            return mutated  # isPrimaryPod: only labels and env for the other pods
+        collector = ((spec.get("metricsCollector") or {}).get("collector") or {}).get("kind")
+        if collector == "Push":
+            return mutated
+        if collector != "StdOut":
+            raise ValueError(f"the sim's Katib simulates the StdOut collector, not {collector}")
+        if not primary.get("command"):
+            raise ApiError(
+                400,
+                status_body(
+                    400,
+                    "BadRequest",
+                    "the sim has no image registry: Katib would read the image's ENTRYPOINT "
+                    "(getContainerCommand); give the primary container a command",
+                ),
+            )
+        objective = spec.get("objective") or {}
+        metric_names = ";".join(
+            [objective.get("objectiveMetricName", ""), *objective.get("additionalMetricNames", [])]
+        )
+        containers.append(
+            {
+                "name": SIDECAR,
+                "image": COLLECTOR_IMAGE,
+                "args": [
+                    *("-t", trial["metadata"]["name"], "-m", metric_names),
+                    *("-o-type", objective.get("type", ""), "-s-db", DB_MANAGER),
+                    *("-path", METRICS_FILE, "-format", "TEXT"),
+                ],
+                "imagePullPolicy": "IfNotPresent",
+                "resources": copy.deepcopy(SIDECAR_RESOURCES),
+            }
+        )
+        mutated["spec"]["shareProcessNamespace"] = True
+        mutated["spec"].setdefault("volumes", []).append({"name": METRICS_VOLUME, "emptyDir": {}})
+        mount = {"name": METRICS_VOLUME, "mountPath": METRICS_FILE.rsplit("/", 1)[0]}
+        for c in containers:
+            if c.get("name") in (SIDECAR, spec.get("primaryContainerName")):
+                c.setdefault("volumeMounts", []).append(dict(mount))
+        wrap_command(primary, early_stopping=bool(spec.get("earlyStoppingRules")))
+        return mutated
+
+    # ------------------------------------------------------------ events
 
     def keys_for(self, event: Event) -> Iterable[Key]:
         if event.type == "DELETED" and event.plural in ("experiments", "trials"):
@@ -515,9 +676,9 @@ class Katib(Controller):
             set_condition(status, "Running", "True", "TrialRunning", "Trial is running")
 
     def _collect(self, trial: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] | None:
+        """What the primary pod's collector sidecar reported: None when it reported nothing
+        (no sidecar, or the main process ended without the `completed` marker)."""
         ns = trial["metadata"]["namespace"]
-        if self.sim.namespace_labels[ns].get(INJECTION_LABEL) != "enabled":
-            return None
         spec = trial["spec"]
         wanted = {
             **spec.get("primaryPodLabels", {}),
@@ -529,5 +690,15 @@ class Katib(Controller):
             if all(p["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items())
         ]
         names = [s["name"] for s in spec["objective"].get("metricStrategies") or []]
-        log = "".join(self.fake.pod_log(ns, p["metadata"]["name"]) for p in pods)
-        return observation(parse_metrics(log, names))
+        text = ""
+        for pod in pods:
+            if not any(c.get("name") == SIDECAR for c in pod["spec"]["containers"]):
+                return None  # not mutated: no collector
+            folder = self.sim.kubelet.empty_dir(pod, METRICS_VOLUME)
+            pid = self.sim.kubelet.main_pid(pod)
+            marker = folder / f"{pid}.pid"
+            if pid is None or not marker.is_file() or marker.read_text().strip() != COMPLETED:
+                return None  # WaitPIDs: "training container is failed": the sidecar exits 1
+            metrics = folder / METRICS_FILE.rsplit("/", 1)[1]
+            text += metrics.read_text(errors="replace") if metrics.is_file() else ""
+        return observation(parse_metrics(text, names))

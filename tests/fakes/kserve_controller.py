@@ -123,7 +123,7 @@ DISALLOWED_ANNOTATIONS = (
     "autoscaling.knative.dev/max-scale",
     "internal.serving.kserve.io/storage-initializer-sourceuri",
     "kubectl.kubernetes.io/last-applied-configuration",
-    "serving.kserve.io/model-format",
+    "modelFormat",  # constants.go ModelFormatAnnotationKey
 )
 # constants.go GetProtocolVersionInt: the order runtimes are sorted by.
 PROTOCOL_ORDER = {"v1": 1, "v2": 2, "grpc-v1": 3, "grpc-v2": 4}

@@ -31,15 +31,38 @@ real component does it for:
   (mountPath == str(sim.pvc_dir(claim)), or that plus `/subPath`); the code under test runs
   with KUBELLM_WORKSPACE_MOUNT set to that directory so it does. Any other mountPath fails
   the pod at once with reason FailedMount and a message naming both paths (a real kubelet
-  would keep it Pending with a FailedMount event; failing fast names the mistake). Other
-  volume kinds (emptyDir, configMap, ...) are not provided.
-- deletion: the pod object goes at once (see fake_k8s); its process gets SIGTERM, then
-  SIGKILL after terminationGracePeriodSeconds (default 30, capped by the sim, 5 s default).
-  Every process is killed when the sim stops.
+  would keep it Pending with a FailedMount event; failing fast names the mistake). An
+  `emptyDir` volume is a per-pod directory, `empty_dir(pod, name)` (the kubelet's
+  pods/<uid>/volumes/kubernetes.io~empty-dir/<name>), kept after the pod ends. SIMPLIFIED:
+  a process here cannot see that directory at its mountPath, so when the mountPath does not
+  exist on this machine (Katib's /var/log/katib) the kubelet rewrites that path, where it
+  appears in the container's command, args and env values, to the directory; a mountPath
+  that exists here (/tmp, /dev/shm) is this machine's own directory, shared. Other volume
+  kinds (configMap, ...) are not provided.
+- processes of a container: the container's first process (its main process) and all it
+  starts carry SIM_KUBELET_CONTAINER=<pod uid>/<container> in their environment, the sim's
+  stand-in for the container's cgroup (`container_pids`). When the main process exits, the
+  rest of the container is SIGKILLed at once: the kernel does it when PID 1 of a private
+  PID namespace exits, and with a shared one (shareProcessNamespace) containerd's shim does
+  (handleInitExit -> ShouldKillAllOnExit -> KillAll, `runc kill --all` SIGKILL).
+- deletion (kubelet killContainer -> CRI StopContainer(timeout = the grace period);
+  containerd stopContainer): the pod object goes at once (see fake_k8s); SIGTERM goes to the
+  container's main process ONLY (task.Kill without --all: `runc kill`), not to its process
+  group or its children; after terminationGracePeriodSeconds (default 30, capped by the
+  sim, 5 s default) SIGKILL, and with it the rest of the container. Without
+  shareProcessNamespace the main process is PID 1 of its PID namespace, and the kernel
+  delivers a signal from outside to it only if it has a handler for it (pid_namespaces(7);
+  SigCgt in /proc/<pid>/status here): a `sh -c` or a plain `python` without a SIGTERM
+  handler ignores the SIGTERM and is SIGKILLed after the grace period. With
+  shareProcessNamespace the pause container is PID 1 and the main process gets the signal's
+  default action (dash dies of SIGTERM; its children live on until the kill above).
+  Every process is SIGKILLed when the sim stops.
 
 Pods stored by a test as Running or finished (FakeK8s.add_pod(phase=...)) are left alone.
 Not simulated: init containers, sidecars (only the first container runs; the others mirror
-its state), probes, images, resource limits, ports (programs use 127.0.0.1 and real ports).
+its state; Katib's metrics collector is played by katib_controller.py), probes, images,
+resource limits, ports (programs use 127.0.0.1 and real ports), the image's STOPSIGNAL
+(always SIGTERM).
 """
 
 from __future__ import annotations
@@ -65,6 +88,8 @@ from .sim_base import Controller, Key, now_rfc3339
 NODE = "sim-node"
 POD_IP = "127.0.0.1"
 _STANDARD = ("cpu", "memory", "ephemeral-storage")
+CONTAINER_ENV = "SIM_KUBELET_CONTAINER"  # marks every process of a container (its "cgroup")
+EMPTY_DIR = "kubernetes.io~empty-dir"
 
 
 class ConfigError(Exception):
@@ -89,6 +114,44 @@ def expand(text: str, env: dict[str, str]) -> str:
     return "".join(out)
 
 
+def container_pids(container_id: str) -> list[int]:
+    """Every live process of the container `container_id` (`<pod uid>/<name>`): those whose
+    environment carries SIM_KUBELET_CONTAINER=<id>, inherited from the container's first
+    process (a real runtime finds them by the container's cgroup)."""
+    needle = f"\0{CONTAINER_ENV}={container_id}\0".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                environ = b"\0" + fh.read()
+        except OSError:  # gone, or not ours
+            continue
+        if needle in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (SigCgt, /proc/pid/status)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    m = re.search(r"^SigCgt:\s*([0-9a-fA-F]+)$", text, re.M)
+    return m is not None and bool(int(m[1], 16) >> (signum - 1) & 1)
+
+
+def remap_paths(text: str, remap: dict[str, Path]) -> str:
+    """`text` with each mountPath in `remap` (a whole path component, or a prefix of one
+    followed by `/`) replaced by its directory on this machine."""
+    for mount, host in remap.items():
+        pattern = r"(?<![\w./-])" + re.escape(mount.rstrip("/")) + r"(?![\w.-])"
+        text = re.sub(pattern, lambda _m, h=str(host): h, text)
+    return text
+
+
 def extended_requests(pod: dict[str, Any]) -> dict[str, int]:
     """The extended resources a pod's containers ask for (their limits, as for GPUs)."""
     out: dict[str, int] = {}
@@ -106,6 +169,8 @@ class _Proc:
     key: Key
     uid: str
     grace_s: float
+    container_id: str = ""  # <pod uid>/<container name>: SIM_KUBELET_CONTAINER
+    pid_one: bool = True  # the main process is PID 1 of its own PID namespace
     proc: subprocess.Popen[bytes] | None = None
     deleted: bool = False
     done: threading.Event = field(default_factory=threading.Event)
@@ -123,6 +188,7 @@ class Kubelet(Controller):
         self._allocated: dict[str, dict[str, int]] = {}  # pod uid -> extended resources
         self._unschedulable: set[Key] = set()
         self._threads: list[threading.Thread] = []
+        self._main_pids: dict[str, int] = {}  # pod uid -> its container's last main process
 
     @property
     def capacity(self) -> dict[str, int]:
@@ -153,8 +219,8 @@ class Kubelet(Controller):
             if uid in self._procs or status.get("phase", "Pending") != "Pending":
                 return
         spec = pod.get("spec") or {}
-        if not spec.get("containers"):
-            return
+        if not spec.get("containers") or spec.get("schedulingGates"):
+            return  # kube-scheduler's SchedulingGates plugin: a gated pod waits (kueue.py)
         why = self._unschedulable_reason(pod)
         if why:
             self._unschedulable.add(key)
@@ -189,13 +255,22 @@ class Kubelet(Controller):
             self._release(uid)
             self.requeue(key, 0.5)  # the kubelet retries; a secret created later lets it run
             return
+        remap = self._empty_dirs(pod, container)
+        env = {k: remap_paths(v, remap) for k, v in env.items()} if remap else env
         grace = spec.get("terminationGracePeriodSeconds", 30)
-        proc = _Proc(key, uid, min(float(grace), self.sim.grace_cap_s))
+        proc = _Proc(
+            key,
+            uid,
+            min(float(grace), self.sim.grace_cap_s),
+            container_id=f"{uid}/{container['name']}",
+            # shareProcessNamespace: the pause container is PID 1; hostPID: the node's init
+            pid_one=not (spec.get("shareProcessNamespace") or spec.get("hostPID")),
+        )
         with self._lock:
             self._procs[uid] = proc
         thread = threading.Thread(
             target=self._run_pod,
-            args=(proc, pod, container, env),
+            args=(proc, pod, container, env, remap),
             name=f"pod-{key[2]}",
             daemon=True,
         )
@@ -323,9 +398,37 @@ class Kubelet(Controller):
 
     # ------------------------------------------------------------ running
 
-    def _argv(self, container: dict[str, Any], env: dict[str, str]) -> list[str]:
+    def _empty_dirs(self, pod: dict[str, Any], container: dict[str, Any]) -> dict[str, Path]:
+        """The container's emptyDir mounts the sim must remap: mountPath -> the directory
+        (created), for each mountPath that does not exist on this machine."""
+        volumes = {v.get("name"): v for v in (pod.get("spec") or {}).get("volumes") or []}
+        remap: dict[str, Path] = {}
+        for mount in container.get("volumeMounts") or []:
+            vol = volumes.get(mount.get("name")) or {}
+            if "emptyDir" not in vol:
+                continue
+            host = self.empty_dir(pod, vol["name"])
+            if not Path(mount["mountPath"]).exists():
+                remap[mount["mountPath"]] = host
+        return remap
+
+    def empty_dir(self, pod: dict[str, Any], volume: str) -> Path:
+        """The directory that is emptyDir `volume` of `pod` (created)."""
+        path = self._pod_dir(pod) / "volumes" / EMPTY_DIR / volume
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def main_pid(self, pod: dict[str, Any]) -> int | None:
+        """The host pid of the pod's container's last main process (running or not)."""
+        with self._lock:
+            return self._main_pids.get(pod["metadata"]["uid"])
+
+    def _argv(
+        self, container: dict[str, Any], env: dict[str, str], remap: dict[str, Path]
+    ) -> list[str]:
         argv = [expand(str(a), env) for a in (container.get("command") or [])]
         argv += [expand(str(a), env) for a in (container.get("args") or [])]
+        argv = [remap_paths(a, remap) for a in argv]
         if not container.get("command"):
             raise FileNotFoundError("the sim has no image ENTRYPOINT: give the container a command")
         if argv[0] in ("python", "python3"):
@@ -341,13 +444,21 @@ class Kubelet(Controller):
         wanted = container.get("workingDir")
         if wanted and Path(wanted).is_dir():
             return Path(wanted)
+        return self._pod_dir(pod)
+
+    def _pod_dir(self, pod: dict[str, Any]) -> Path:
         meta = pod["metadata"]
         path = self.sim.tmp_path / "pods" / meta["namespace"] / f"{meta['name']}-{meta['uid'][:8]}"
         path.mkdir(parents=True, exist_ok=True)
         return path
 
     def _run_pod(
-        self, proc: _Proc, pod: dict[str, Any], container: dict[str, Any], env: dict[str, str]
+        self,
+        proc: _Proc,
+        pod: dict[str, Any],
+        container: dict[str, Any],
+        env: dict[str, str],
+        remap: dict[str, Path],
     ) -> None:
         ns, name = proc.key[1], proc.key[2]
         policy = (pod.get("spec") or {}).get("restartPolicy") or "Always"
@@ -357,19 +468,20 @@ class Kubelet(Controller):
             while not proc.deleted:
                 started = now_rfc3339()
                 try:
-                    argv = self._argv(container, env)
+                    argv = self._argv(container, env, remap)
                     with self._lock:
                         if proc.deleted:
                             return
                         proc.proc = subprocess.Popen(
                             argv,
                             cwd=self._workdir(pod, container),
-                            env=env,
+                            env={**env, CONTAINER_ENV: proc.container_id},
                             stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT,
                             start_new_session=True,
                         )
+                        self._main_pids[proc.uid] = proc.proc.pid
                 except OSError as e:
                     message = (
                         "failed to create containerd task: failed to create shim task: OCI "
@@ -388,8 +500,14 @@ class Kubelet(Controller):
                     self._set_status(
                         proc.key, self._status(pod, "Running", running, restarts, last)
                     )
-                    self._pump(proc, ns, name)
+                    pump = threading.Thread(
+                        target=self._pump, args=(proc.proc, ns, name), daemon=True
+                    )
+                    pump.start()
                     code = proc.proc.wait()
+                    # the rest of the container dies with its main process (see the docstring)
+                    self._kill_container(proc)
+                    pump.join(timeout=5)
                     if code < 0:
                         code = 128 - code  # killed by signal N: 128+N, as the runtime reports
                     terminated = {
@@ -422,11 +540,11 @@ class Kubelet(Controller):
             proc.done.set()
             self._release(proc.uid)
 
-    def _pump(self, proc: _Proc, ns: str, name: str) -> None:
-        """Copy the process's output to the pod log as it comes."""
-        assert proc.proc is not None and proc.proc.stdout is not None
+    def _pump(self, popen: subprocess.Popen[bytes], ns: str, name: str) -> None:
+        """Copy the container's output to the pod log as it comes."""
+        assert popen.stdout is not None
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        out = proc.proc.stdout
+        out = popen.stdout
         while chunk := out.read1(65536):  # type: ignore[attr-defined]
             text = decoder.decode(chunk)
             if text:
@@ -496,15 +614,36 @@ class Kubelet(Controller):
             self.fake.set_status("pods", key[2], status, namespace=key[1])
 
     def signal_pod(self, namespace: str, name: str, signum: int) -> None:
-        """Send `signum` to a running pod's process group. Tests play a hung container this
-        way (SIGSTOP: it keeps its port and answers nothing; SIGCONT resumes it), a failure
-        a real node shows when a process deadlocks or is starved."""
+        """A test control, not a kubelet action: send `signum` to every process of a running
+        pod's container. Tests play a hung container this way (SIGSTOP: it keeps its port
+        and answers nothing; SIGCONT resumes it), a failure a real node shows when a
+        process deadlocks or is starved."""
         key = ("pods", namespace, name)
         with self._lock:
-            popen = next((p.proc for p in self._procs.values() if p.key == key), None)
-        if popen is None or popen.poll() is not None:
+            proc = next((p for p in self._procs.values() if p.key == key), None)
+        if proc is None or proc.proc is None or proc.proc.poll() is not None:
             raise LookupError(f"pod {namespace}/{name} has no running process")
-        os.killpg(popen.pid, signum)
+        for pid in {proc.proc.pid, *container_pids(proc.container_id)}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    def _kill_container(self, proc: _Proc) -> None:
+        """SIGKILL every process of the container (`runc kill --all`; the kernel for PID 1)."""
+        popen = proc.proc
+        pids = set(container_pids(proc.container_id))
+        if popen is not None and popen.poll() is None:
+            pids.add(popen.pid)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _stop_signal(self, proc: _Proc, pid: int) -> None:
+        """The CRI stop signal, SIGTERM, to the container's main process only; dropped by
+        the kernel when the main process is PID 1 of its namespace without a handler."""
+        if proc.pid_one and not catches(pid, signal.SIGTERM):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
     # ------------------------------------------------------------ deletion
 
@@ -521,39 +660,29 @@ class Kubelet(Controller):
         threading.Thread(target=self._terminate, args=(proc,), daemon=True).start()
 
     def _terminate(self, proc: _Proc) -> None:
-        """SIGTERM, then SIGKILL after the grace period (to the whole process group)."""
+        """SIGTERM to the main process, then SIGKILL to the container after the grace
+        period (containerd stopContainer: task.Kill(sig), wait timeout, task.Kill(SIGKILL))."""
         with self._lock:
             popen = proc.proc
         if popen is None or popen.poll() is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGTERM)
+        self._stop_signal(proc, popen.pid)
         try:
             popen.wait(timeout=proc.grace_s)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(popen.pid, signal.SIGKILL)
+            self._kill_container(proc)
             popen.wait()
 
     def stop(self) -> None:
-        """Kill every pod process (none may outlive the sim), then stop reconciling."""
+        """SIGKILL every pod process (none may outlive the sim), then stop reconciling."""
         with self._lock:
             procs = list(self._procs.values())
             for p in procs:
                 p.deleted = True
         for p in procs:
-            if p.proc is not None and p.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 2
+            self._kill_container(p)
         for p in procs:
-            if p.proc is None:
-                continue
-            try:
-                p.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.proc.pid, signal.SIGKILL)
+            if p.proc is not None:
                 p.proc.wait()
         super().stop()
         for t in self._threads:

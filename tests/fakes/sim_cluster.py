@@ -9,14 +9,18 @@ pods run as local processes:
   restarts, graceful deletion). PVCs are directories: `sim.pvc_dir(name)` is
   tmp_path/pvc/<name>, and a pod must mount a claim exactly at that path (code under test
   runs with KUBELLM_WORKSPACE_MOUNT set to it; see `env()`), else it fails with FailedMount.
-- training_operator.py: kubeflow.org/v1 PyTorchJob (pods, PET_* env, conditions,
-  restartPolicy ExitCode, backoffLimit, activeDeadlineSeconds, TTL, cleanPodPolicy).
+- training_operator.py: kubeflow.org/v1 PyTorchJob as release-1.9 runs it (pods, PET_* env,
+  the workers' init-pytorch init container, conditions, restartPolicy ExitCode retried
+  without a bound, backoffLimit, activeDeadlineSeconds checked on events only, suspend and
+  resume, TTL, cleanPodPolicy).
 - katib_controller.py: kubeflow.org/v1beta1 Experiment and Trial (suggestions, trial jobs,
   the StdOut metrics collector, experiment conditions and currentOptimalTrial).
 - kserve_controller.py: serving.kserve.io/v1beta1 InferenceService in Knative mode (serving
   runtimes, one with KServe's Hugging Face runtime installed; revisions, each a predictor
   process on a free port, ready through the V1 protocol; canary traffic and tags; KServe's
   status). `sim.kserve.add_runtime(...)` installs more runtimes.
+- kueue.py (opt-in, `kueue=KueueSettings(...)`): Kueue v0.19.0's integrations, queue-name
+  label, Workloads and quota admission (`sim.kueue.workloads()`).
 
 Each module's docstring cites the upstream code it follows and lists what it simplifies.
 
@@ -41,6 +45,7 @@ from .k8s_rbac import REPO_RBAC
 from .katib_controller import INJECTION_LABEL, Katib
 from .kserve_controller import KServe
 from .kubelet import Kubelet
+from .kueue import Kueue, KueueSettings
 from .sim_base import Controller, is_true
 from .training_operator import TrainingOperator
 
@@ -66,6 +71,7 @@ class SimCluster:
     rbac: the Role enforced on HTTP requests (default the repo's; None: allow all).
     seed: Katib's suggestion seed when an experiment sets no random_state.
     grace_cap_s: the cap on terminationGracePeriodSeconds for deleted pods.
+    kueue: run Kueue v0.19.0 (kueue.py) with these integrations and queues; None: no Kueue.
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class SimCluster:
         rbac: Path | str | None = REPO_RBAC,
         seed: int = 0,
         grace_cap_s: float = 5.0,
+        kueue: KueueSettings | None = None,
     ) -> None:
         self.tmp_path = Path(tmp_path)
         self.gpus_per_node = gpus_per_node
@@ -85,8 +92,10 @@ class SimCluster:
         self.seed = seed
         self.grace_cap_s = grace_cap_s
         self.fake = FakeK8s(crds, rbac=rbac)
-        self.secrets: dict[tuple[str, str], dict[str, str]] = {}
-        self.config_maps: dict[tuple[str, str], dict[str, str]] = {}
+        # (namespace, name) -> string data: the kubelet's env source, and what the fake
+        # API server answers GET configmaps/secrets with (the same dicts)
+        self.secrets: dict[tuple[str, str], dict[str, str]] = self.fake.secrets
+        self.config_maps: dict[tuple[str, str], dict[str, str]] = self.fake.config_maps
         self.namespace_labels = NamespaceLabels()
         self.errors: list[str] = []  # controller failures (tracebacks); a test asserts none
         self.kubelet = Kubelet(self)
@@ -97,6 +106,10 @@ class SimCluster:
             Katib(self),
             self.kserve,
         ]
+        # Kueue (kueue.py) only where a test asks for it: without it, nothing is queued.
+        self.kueue = Kueue(self, kueue) if kueue is not None else None
+        if self.kueue is not None:
+            self.controllers.append(self.kueue)
         self.pvc_dir(WORKSPACE_PVC)
 
     def __enter__(self) -> SimCluster:

@@ -1,49 +1,77 @@
 """The simulated cluster's Training Operator: kubeflow.org/v1 PyTorchJob.
 
-A FAKE, for tests only. It follows kubeflow/training-operator release-1.9 (the last with the
-v1 API), and cites the code each behaviour comes from:
+A FAKE, for tests only. It follows kubeflow/training-operator at tag v1.9.0 (release-1.9, the
+last with the v1 API; the branch's later commits do not touch these files), and cites the
+code each behaviour comes from (paths at that tag; `common/` is pkg/controller.v1/common,
+`pytorch/` is pkg/controller.v1/pytorch). tests/fakes/UPSTREAM.md has one row per rule.
 
-- defaults (pkg/apis/kubeflow.org/v1/pytorch_defaults.go): replicas 1, restartPolicy
-  OnFailure, nprocPerNode "auto", cleanPodPolicy None; the `pytorch` container gets the port
-  `pytorchjob-port` 23456 when it has none.
-- pods (pkg/controller.v1/common/pod.go createNewPod): one per replica, named
-  `<job>-<type>-<index>` (type lowercased), labels `training.kubeflow.org/operator-name:
-  pytorchjob-controller`, `training.kubeflow.org/job-name`, `.../replica-type` (lowercase),
-  `.../replica-index`, and `training.kubeflow.org/job-role: master` on the master; a
-  controller ownerReference to the job; the pod restartPolicy is the replica's, except
-  ExitCode which becomes Never (core.SetRestartPolicy).
-- env (pkg/controller.v1/pytorch/envvar.go setPodEnv, master.go), appended to every
-  container: PYTHONUNBUFFERED=0, MASTER_PORT, PET_MASTER_PORT, MASTER_ADDR,
-  PET_MASTER_ADDR, WORLD_SIZE (replicas x nprocPerNode, "auto" counting 1), RANK and
-  PET_NODE_RANK (master 0, worker i is i+1), PET_NPROC_PER_NODE, PET_NNODES (replicas).
-  Sim difference: MASTER_ADDR is 127.0.0.1, not the master's Service name `<job>-master-0`,
-  and the port is a free port per job, not the container's pytorchjob-port (23456), so jobs
-  can run side by side on one machine. elasticPolicy is not simulated.
-- status (pytorchjob_controller.go UpdateJobStatus, common/job.go ReconcileJobs,
-  pkg/util/status.go): conditions Created (`PyTorchJobCreated`, "PyTorchJob x is created."),
-  Running (`PyTorchJobRunning`, "PyTorchJob x is running." while the master runs),
-  Succeeded (`PyTorchJobSucceeded`, "PyTorchJob x is successfully completed." when the
-  master succeeds; Running turns False), Restarting (`PyTorchJobRestarting`), Failed
-  (`PyTorchJobFailed`) with the upstream message for the cause:
+- defaults (pkg/apis/kubeflow.org/v1/pytorch_defaults.go SetDefaults_PyTorchJob L77-96):
+  replicas 1, restartPolicy OnFailure, nprocPerNode "auto", cleanPodPolicy None; the
+  `pytorch` container gets the port `pytorchjob-port` 23456 when it has none.
+- pods (common/pod.go createNewPod L383-474): one per replica, named `<job>-<type>-<index>`
+  (type lowercased), labels `training.kubeflow.org/operator-name: pytorchjob-controller`,
+  `training.kubeflow.org/job-name`, `.../replica-type` (lowercase), `.../replica-index`,
+  and `training.kubeflow.org/job-role: master` on the master; a controller ownerReference to
+  the job; the pod restartPolicy is the replica's, except ExitCode which becomes Never
+  (pkg/core/pod.go SetRestartPolicy L81-88).
+- env (pytorch/envvar.go setPodEnv L43-127, pytorch/master.go L33-62), appended to every
+  container (not to init containers): PYTHONUNBUFFERED=1; with a Master: MASTER_PORT,
+  PET_MASTER_PORT, MASTER_ADDR, PET_MASTER_ADDR, WORLD_SIZE (replicas x nprocPerNode, "auto"
+  counting 1), RANK and PET_NODE_RANK (master 0, worker i is i+1); PET_NPROC_PER_NODE;
+  PET_NNODES (replicas). Sim difference: MASTER_ADDR is 127.0.0.1, not the master's Service
+  name `<job>-master-0`, and the port is a free port per job, not the container's
+  pytorchjob-port (23456), so jobs can run side by side on one machine. elasticPolicy is not
+  simulated.
+- the `init-pytorch` init container (pytorch/initcontainer.go L35-46, setInitContainer
+  L105-136; the image and tries from pkg/config/config.go L28, L33): appended to every
+  Worker pod of a job with a Master. It waits for the master's Service name to resolve;
+  the sim's kubelet does not run init containers, but the pod spec carries it, so whatever
+  reads pod specs (QoS, Pod Security) sees what a cluster would.
+- runPolicy.suspend (common/job.go ReconcileJobs L146-173): while suspended, every pod is
+  deleted, replica `active` counts drop to 0, Running turns False and Suspended True (both
+  reason `PyTorchJobSuspended`, "PyTorchJob x is suspended."), and no startTime is set; on
+  resume, Suspended turns False (`PyTorchJobResumed`, "PyTorchJob x is resumed.") and
+  startTime is reset to now, so activeDeadlineSeconds counts from the resume.
+- status (pytorch/pytorchjob_controller.go UpdateJobStatus L343-447, common/job.go
+  ReconcileJobs L78-364, pkg/util/status.go): conditions Created (`PyTorchJobCreated`,
+  "PyTorchJob x is created."), Running (`PyTorchJobRunning`, "PyTorchJob x is running."
+  while the master runs), Succeeded (`PyTorchJobSucceeded`, "PyTorchJob x is successfully
+  completed." when the master succeeds; Running turns False), Restarting
+  (`PyTorchJobRestarting`), Failed (`PyTorchJobFailed`) with the upstream message:
     restartPolicy Never, a failed replica:
       `PyTorchJob x is failed because 1 Master replica(s) failed.`
     ExitCode, exit 1-127 (permanent): `job "x" is failing because "Master" replica(s) failed.`
+      (common/pod.go L367-373; no completionTime is set on this path)
     ExitCode, exit 128-255 (retryable), OnFailure, Always: the pod is deleted and recreated
-      (Restarting: `job x is restarting because Master replica(s) failed.`) until
-      runPolicy.backoffLimit: `Job x has failed because it has reached the specified backoff limit`
+      (common/pod.go L350-366, Restarting: `job x is restarting because Master replica(s)
+      failed.`)
+    the backoff limit: `Job x has failed because it has reached the specified backoff limit`
     runPolicy.activeDeadlineSeconds: `Job x has failed because it was active longer than
       specified deadline` (reason PyTorchJobFailed: v1 has no DeadlineExceeded reason), and
       every pod is deleted;
   replicaStatuses {Master: {active, succeeded, failed, selector}}, startTime, completionTime.
 - after the job finishes: a succeeded job counts its still active replicas as succeeded;
-  cleanPodPolicy None keeps the pods, Running deletes the running and
-  pending ones, All deletes all; runPolicy.ttlSecondsAfterFinished deletes the job that
-  long after completionTime (CleanupJob).
+  cleanPodPolicy None keeps the pods, Running deletes the running and pending ones, All
+  deletes all (common/job.go DeletePodsAndServices L43-69); runPolicy.ttlSecondsAfterFinished
+  deletes the job that long after completionTime (CleanupJob L420-453), and never a job
+  without one (L428-429: "job completion time is nil, cannot cleanup"), which is every job
+  failed by a permanent ExitCode exit.
 
-Backoff counting: upstream counts a retryable ExitCode failure through the work queue's
-requeue count and OnFailure/Always restarts through containers' restartCount; the sim counts
-the pods it recreated plus restartCounts, and fails the job on the failure that would exceed
-backoffLimit (so a job runs at most backoffLimit + 1 times).
+Backoff and deadline, as release-1.9 does them (and the reason retries are unbounded there):
+
+- The operator's work queue is `util.FakeWorkQueue` (pytorchjob_controller.go L82), whose
+  NumRequeues is always 0 and whose AddAfter does nothing (pkg/common/util/fake_workqueue.go
+  L47, L56). So ReconcileJobs' "new failure" test (common/job.go L192-198) fails a job only
+  with backoffLimit 0, and PastBackoffLimit (pkg/core/job.go L95-133) sums the restartCount
+  of the containers of *Running* pods: under ExitCode the operator recreates a failed pod
+  (restartPolicy Never, so its restartCount stays 0), and backoffLimit >= 1 is never
+  reached. A retryable exit loops until activeDeadlineSeconds (kubeflow/trainer#2045).
+  OnFailure/Always count their in-place restarts as upstream does.
+- activeDeadlineSeconds is checked only when the job is reconciled: the requeue at the
+  deadline (pytorchjob_controller.go L365) goes to the FakeWorkQueue and is dropped, and the
+  controller's Result requeues only for the TTL (L169-175, pkg/common/util/util.go L66-86).
+  A quiet job runs past its deadline until an event about it or its pods arrives
+  (kubeflow/trainer#3358); the sim, too, has no timer for it.
 """
 
 from __future__ import annotations
@@ -76,12 +104,20 @@ CONTAINER = "pytorch"
 PORT_NAME = "pytorchjob-port"
 DEFAULT_PORT = 23456
 KIND = "PyTorchJob"
+# pkg/config/config.go L28, L33: --pytorch-init-container-image / -max-tries defaults.
+INIT_CONTAINER_IMAGE = "alpine:3.10"
+INIT_CONTAINER_MAX_TRIES = 100
+# pkg/util/train/train_util.go IsRetryableExitCode L24-26.
+RETRYABLE_EXIT = 128
+# common/pod.go L340: the exit code of a pod whose container has no terminated state.
+NO_EXIT_CODE = 0xBEEF
+BACKOFF_POLICIES = ("OnFailure", "Always", "ExitCode")  # pkg/core/job.go L103
 
 
 def update_condition(
     status: dict[str, Any], ctype: str, cstatus: str, reason: str, message: str
 ) -> None:
-    """pkg/util/status.go UpdateJobConditions/setCondition/filterOutCondition."""
+    """pkg/util/status.go UpdateJobConditions/setCondition/filterOutCondition (L59-148)."""
     if is_true(status, "Failed"):
         return
     new = new_condition(status, ctype, cstatus, reason, message)
@@ -98,12 +134,33 @@ def update_condition(
 
 
 def exit_code(pod: dict[str, Any]) -> int:
-    """The `pytorch` container's exit code; 0xbeef when it has none (upstream's magic)."""
+    """The `pytorch` container's exit code; 0xbeef when it has none (common/pod.go L340-348)."""
+    code = NO_EXIT_CODE
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         terminated = (cs.get("state") or {}).get("terminated")
         if cs.get("name") == CONTAINER and terminated:
-            return int(terminated.get("exitCode", 0))
-    return 0xBEEF
+            code = int(terminated.get("exitCode", 0))
+    return code
+
+
+def init_container(job_name: str) -> dict[str, Any]:
+    """pytorch/initcontainer.go initContainerTemplate (L35-46) with the default image and
+    tries, for MasterAddr `<job>-master-0` (replicaName, envvar.go L150-153)."""
+    master = f"{job_name}-master-0".replace("/", "-")
+    script = (
+        f"err=1;for i in $(seq {INIT_CONTAINER_MAX_TRIES}); do if nslookup {master}; "
+        "then err=0 && break; fi;echo waiting for master; sleep 2; done; exit $err"
+    )
+    return {
+        "name": "init-pytorch",
+        "image": INIT_CONTAINER_IMAGE,
+        "imagePullPolicy": "IfNotPresent",
+        "resources": {
+            "limits": {"cpu": "100m", "memory": "20Mi"},
+            "requests": {"cpu": "50m", "memory": "10Mi"},
+        },
+        "command": ["sh", "-c", script],
+    }
 
 
 class TrainingOperator(Controller):
@@ -112,7 +169,6 @@ class TrainingOperator(Controller):
     def __init__(self, sim: Any) -> None:
         super().__init__(sim)
         self._ports: dict[str, int] = {}  # job uid -> its master port
-        self._retries: dict[str, int] = {}  # job uid -> pods recreated
 
     def keys_for(self, event: Event) -> Iterable[Key]:
         if event.plural == "pytorchjobs":
@@ -122,32 +178,46 @@ class TrainingOperator(Controller):
         return []
 
     def reconcile(self, key: Key) -> None:
+        """common/job.go ReconcileJobs, in its order: finished, suspended, resumed, limits,
+        pods, status."""
         job = self.get(key)
         if job is None:
             return
         status = copy.deepcopy(job.get("status") or {})
         before = copy.deepcopy(status)
         name = job["metadata"]["name"]
-        if find_condition(status, "Created") is None:  # onOwnerCreateFunc
+        if find_condition(status, "Created") is None:  # onOwnerCreateFunc L517-527
             update_condition(
                 status, "Created", "True", f"{KIND}Created", f"PyTorchJob {name} is created."
             )
         pods = self.owned("pods", job)
+        run_policy = (job.get("spec") or {}).get("runPolicy") or {}
         if is_true(status, "Succeeded") or is_true(status, "Failed"):
-            if is_true(status, "Succeeded"):  # common/job.go: active replicas count as done
+            if is_true(status, "Succeeded"):  # common/job.go L131-136
                 for rs in (status.get("replicaStatuses") or {}).values():
                     if rs.get("active"):
                         rs["succeeded"] = rs.get("succeeded", 0) + rs.pop("active")
             self._write(key, status, before)
             self._finished(key, job, status, pods)
             return
-        run_policy = (job.get("spec") or {}).get("runPolicy") or {}
-        if not status.get("startTime"):
+        if run_policy.get("suspend"):  # common/job.go L146-166
+            for pod in pods:  # DeletePodsAndServices: not finished, so every pod
+                self._delete_pod(pod)
+            for rs in (status.get("replicaStatuses") or {}).values():
+                rs.pop("active", None)
+            msg = f"PyTorchJob {name} is suspended."
+            if is_true(status, "Running"):
+                update_condition(status, "Running", "False", f"{KIND}Suspended", msg)
+            if not is_true(status, "Suspended"):
+                update_condition(status, "Suspended", "True", f"{KIND}Suspended", msg)
+            self._write(key, status, before)
+            return
+        if is_true(status, "Suspended"):  # common/job.go L167-173
+            msg = f"PyTorchJob {name} is resumed."
+            update_condition(status, "Suspended", "False", f"{KIND}Resumed", msg)
             status["startTime"] = now_rfc3339()
-            if run_policy.get("activeDeadlineSeconds") is not None:
-                self.requeue(key, float(run_policy["activeDeadlineSeconds"]))
         failure = self._past_limits(job, status, pods)
-        if failure:
+        if failure:  # common/job.go L216-247
             status.setdefault("completionTime", now_rfc3339())
             for pod in pods:  # DeletePodsAndServices: the job is not finished yet, so all
                 self._delete_pod(pod)
@@ -157,13 +227,9 @@ class TrainingOperator(Controller):
             return
         self._reconcile_pods(job, status, pods)
         self._update_job_status(job, status)
-        if not status.get("completionTime") and (
-            is_true(status, "Succeeded") or is_true(status, "Failed")
-        ):
-            status["completionTime"] = now_rfc3339()
         self._write(key, status, before)
         if is_true(status, "Succeeded") or is_true(status, "Failed"):
-            self.requeue(key)
+            self.requeue(key)  # the status write's own event, as upstream
 
     # ------------------------------------------------------------ pods
 
@@ -181,23 +247,38 @@ class TrainingOperator(Controller):
     def _past_limits(
         self, job: dict[str, Any], status: dict[str, Any], pods: list[dict[str, Any]]
     ) -> str | None:
+        """common/job.go L175-214 with pkg/core/job.go PastBackoffLimit/PastActiveDeadline."""
         name = job["metadata"]["name"]
-        uid = job["metadata"]["uid"]
         run_policy = (job.get("spec") or {}).get("runPolicy") or {}
         limit = run_policy.get("backoffLimit")
         if limit is not None:
             specs = self._specs(job)
+            previous_retry = 0  # FakeWorkQueue.NumRequeues (fake_workqueue.go L56)
+            phases = [(p.get("status") or {}).get("phase") for p in pods]
+            active = sum(
+                1
+                for p, phase in zip(pods, phases, strict=True)
+                if phase not in ("Succeeded", "Failed")
+                and not p["metadata"].get("deletionTimestamp")
+            )
+            failed = phases.count("Failed")
+            total = sum(int(s["replicas"]) for s in specs.values())
+            previously_failed = sum(
+                int(rs.get("failed", 0)) for rs in (status.get("replicaStatuses") or {}).values()
+            )
+            exceeds = failed > previously_failed and active != total and previous_retry + 1 > limit
             restarts = sum(
-                cs.get("restartCount", 0)
+                int(cs.get("restartCount", 0))
                 for p in pods
                 if (p.get("status") or {}).get("phase") == "Running"
-                and specs.get(self._rtype(p), {}).get("restartPolicy") != "Never"
-                for cs in (p.get("status") or {}).get("containerStatuses") or []
+                and specs.get(self._rtype(p), {}).get("restartPolicy") in BACKOFF_POLICIES
+                for cs in [
+                    *((p.get("status") or {}).get("initContainerStatuses") or []),
+                    *((p.get("status") or {}).get("containerStatuses") or []),
+                ]
             )
-            retryable = [p for p in pods if self._retryable_failure(p, specs)]
-            new_failure = bool(retryable) and self._retries.get(uid, 0) + 1 > limit
             past = restarts > 0 if limit == 0 else restarts >= limit
-            if new_failure or past:
+            if exceeds or past:
                 return f"Job {name} has failed because it has reached the specified backoff limit"
         deadline = run_policy.get("activeDeadlineSeconds")
         start = parse_time(status.get("startTime"))
@@ -208,17 +289,12 @@ class TrainingOperator(Controller):
     def _rtype(self, pod: dict[str, Any]) -> str:
         return str(pod["metadata"].get("labels", {}).get(REPLICA_TYPE, "")).capitalize()
 
-    def _retryable_failure(self, pod: dict[str, Any], specs: dict[str, dict[str, Any]]) -> bool:
-        if (pod.get("status") or {}).get("phase") != "Failed":
-            return False
-        policy = specs.get(self._rtype(pod), {}).get("restartPolicy")
-        return policy in ("OnFailure", "Always") or (policy == "ExitCode" and exit_code(pod) >= 128)
-
     def _reconcile_pods(
         self, job: dict[str, Any], status: dict[str, Any], pods: list[dict[str, Any]]
     ) -> None:
-        """common/pod.go ReconcilePods: create what is missing, restart what may be."""
-        name, uid = job["metadata"]["name"], job["metadata"]["uid"]
+        """common/pod.go ReconcilePods (L269-380): create what is missing, restart what may
+        be, fail the job on a permanent ExitCode exit."""
+        name = job["metadata"]["name"]
         specs = self._specs(job)
         replica_statuses: dict[str, dict[str, Any]] = {}
         for rtype, spec in specs.items():
@@ -239,9 +315,13 @@ class TrainingOperator(Controller):
                     continue
                 phase = (pod.get("status") or {}).get("phase")
                 if phase == "Failed":
-                    if self._retryable_failure(pod, specs):
+                    policy = spec["restartPolicy"]
+                    code = exit_code(pod)
+                    if (policy == "ExitCode" and code >= RETRYABLE_EXIT) or policy in (
+                        "OnFailure",
+                        "Always",
+                    ):
                         self._delete_pod(pod)
-                        self._retries[uid] = self._retries.get(uid, 0) + 1
                         update_condition(
                             status,
                             "Restarting",
@@ -249,7 +329,7 @@ class TrainingOperator(Controller):
                             f"{KIND}Restarting",
                             f"job {name} is restarting because {rtype} replica(s) failed.",
                         )
-                    elif spec["restartPolicy"] == "ExitCode":
+                    elif policy == "ExitCode":
                         update_condition(
                             status,
                             "Failed",
@@ -258,7 +338,9 @@ class TrainingOperator(Controller):
                             f'job "{name}" is failing because "{rtype}" replica(s) failed.',
                         )
                 key = {"Running": "active", "Succeeded": "succeeded", "Failed": "failed"}
-                if phase in key:
+                if phase == "Running" and pod["metadata"].get("deletionTimestamp"):
+                    counts["failed"] += 1  # pkg/core/status.go L36-44
+                elif phase in key:
                     counts[key[phase]] += 1
             selector = f"{JOB_NAME}={name},{OPERATOR_NAME}={OPERATOR},{REPLICA_TYPE}={rt}"
             replica_statuses[rtype] = {k: v for k, v in counts.items() if v} | {
@@ -267,8 +349,10 @@ class TrainingOperator(Controller):
         status["replicaStatuses"] = replica_statuses
 
     def _update_job_status(self, job: dict[str, Any], status: dict[str, Any]) -> None:
-        """pytorchjob_controller.go UpdateJobStatus."""
+        """pytorchjob_controller.go UpdateJobStatus (L343-447)."""
         name = job["metadata"]["name"]
+        if not status.get("startTime"):  # L359-367 (its AddAfter is dropped: no timer)
+            status["startTime"] = now_rfc3339()
         specs = self._specs(job)
         for rtype, spec in specs.items():
             rs = status["replicaStatuses"].get(rtype, {})
@@ -285,6 +369,7 @@ class TrainingOperator(Controller):
                             f"PyTorchJob {name} is running.",
                         )
                     if expected == 0:
+                        status.setdefault("completionTime", now_rfc3339())
                         update_condition(
                             status,
                             "Succeeded",
@@ -295,6 +380,7 @@ class TrainingOperator(Controller):
                         return
             elif rtype == "Worker":
                 if expected == 0:
+                    status.setdefault("completionTime", now_rfc3339())
                     update_condition(
                         status,
                         "Succeeded",
@@ -321,6 +407,7 @@ class TrainingOperator(Controller):
                         "replica(s) failed.",
                     )
                 else:
+                    status.setdefault("completionTime", now_rfc3339())
                     update_condition(
                         status,
                         "Failed",
@@ -359,7 +446,7 @@ class TrainingOperator(Controller):
         port = self._ports.setdefault(uid, free_port())
         total = sum(int(s["replicas"]) for s in specs.values())
         nproc = str((job.get("spec") or {}).get("nprocPerNode") or "auto")
-        int(nproc) if nproc.isdigit() else 1  # getNprocPerNodeInt
+        per_node = int(nproc) if nproc.isdigit() else 1  # getNprocPerNodeInt L132-140
         rank = index + 1 if rtype == "Worker" else index
         for container in pod_spec.get("containers") or []:
             if container.get("name") == CONTAINER and not any(
@@ -369,22 +456,24 @@ class TrainingOperator(Controller):
                     {"name": PORT_NAME, "containerPort": DEFAULT_PORT, "protocol": "TCP"}
                 )
             env = container.setdefault("env", [])
-            env.append({"name": "PYTHONUNBUFFERED", "value": "0"})
+            env.append({"name": "PYTHONUNBUFFERED", "value": "1"})
             if "Master" in specs:
                 env += [
                     {"name": "MASTER_PORT", "value": str(port)},
                     {"name": "PET_MASTER_PORT", "value": str(port)},
                     {"name": "MASTER_ADDR", "value": "127.0.0.1"},
                     {"name": "PET_MASTER_ADDR", "value": "127.0.0.1"},
-                    {
-                        "name": "WORLD_SIZE",
-                        "value": str(total * (int(nproc) if nproc.isdigit() else 1)),
-                    },
+                    {"name": "WORLD_SIZE", "value": str(total * per_node)},
                     {"name": "RANK", "value": str(rank)},
-                    {"name": "PET_NPROC_PER_NODE", "value": nproc},
                     {"name": "PET_NODE_RANK", "value": str(rank)},
                 ]
+            env.append({"name": "PET_NPROC_PER_NODE", "value": nproc})
             env.append({"name": "PET_NNODES", "value": str(total)})
+        if rtype == "Worker" and "Master" in specs:  # setInitContainer L116-134
+            pod_spec["initContainers"] = [
+                *(pod_spec.get("initContainers") or []),
+                init_container(name),
+            ]
         pod: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -409,6 +498,8 @@ class TrainingOperator(Controller):
     def _finished(
         self, key: Key, job: dict[str, Any], status: dict[str, Any], pods: list[dict[str, Any]]
     ) -> None:
+        """common/job.go CleanUpResources: DeletePodsAndServices (L43-69) and CleanupJob
+        (L420-453)."""
         run_policy = (job.get("spec") or {}).get("runPolicy") or {}
         clean = run_policy.get("cleanPodPolicy") or "None"
         for pod in pods:
@@ -416,12 +507,14 @@ class TrainingOperator(Controller):
             if clean == "All" or (clean == "Running" and phase in ("Running", "Pending")):
                 self._delete_pod(pod)
         ttl = run_policy.get("ttlSecondsAfterFinished")
+        if ttl is None or run_policy.get("suspend"):
+            return
         done = parse_time(status.get("completionTime"))
-        if ttl is None or done is None:
+        if done is None:  # "job completion time is nil, cannot cleanup": never deleted
             return
         remaining = done + float(ttl) - time.time()
         if remaining > 0:
-            self.requeue(key, remaining)
+            self.requeue(key, remaining)  # the Result's RequeueAfter (L169-175)
             return
         with contextlib.suppress(ApiError):
             self.fake.delete_object("pytorchjobs", key[2], key[1])

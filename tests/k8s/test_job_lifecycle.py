@@ -29,6 +29,7 @@ import pytest
 from fakes.fake_k8s import FakeK8s
 from fakes.sim_cluster import SimCluster
 from kubellm.backends.base import JobFailed, JobTimeout, TrainJob
+from kubellm.backends.kubernetes import pytorchjob
 from kubellm.backends.kubernetes.client import (
     SPEC_HASH_ANNOTATION,
     JobStopped,
@@ -37,11 +38,14 @@ from kubellm.backends.kubernetes.client import (
     condition_is_true,
     prepare_body,
 )
+from kubellm.backends.kubernetes.podspec import ClusterSettings
 from kubellm.backends.kubernetes.pytorchjob import (
     CONTAINER,
     PYTORCHJOB,
+    PyTorchJobTrainer,
     master_selector,
     pytorchjob_manifest,
+    pytorchjob_queued,
 )
 from kubellm.train.metric_lines import parse_metrics
 
@@ -869,3 +873,95 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is gone too
         return f.read().split(") ")[-1][:1] != "Z"
+
+
+# ---------------------------------------------------------------------- retries and queues
+# PyTorchJobTrainer.run on the simulated cluster, its manifest as built, but the container's
+# command swapped for a quick one (the real agent takes seconds to start under torchrun).
+
+
+def swap_command(
+    monkeypatch: pytest.MonkeyPatch, code: str, run_policy: dict[str, Any] | None = None
+) -> None:
+    """PyTorchJobTrainer's manifests run `python -c code`, with `run_policy` added."""
+    real = pytorchjob.pytorchjob_manifest
+
+    def manifest(job: TrainJob, cluster: ClusterSettings | None = None) -> dict[str, Any]:
+        body = real(job, cluster)
+        for spec in body["spec"]["pytorchReplicaSpecs"].values():
+            (container,) = spec["template"]["spec"]["containers"]
+            container["command"] = ["python", "-c", textwrap.dedent(code)]
+            container.pop("args", None)
+        body["spec"]["runPolicy"].update(run_policy or {})
+        return body
+
+    monkeypatch.setattr(pytorchjob, "pytorchjob_manifest", manifest)
+
+
+def test_sim_a_retryable_exit_loops_past_the_backoff_limit_until_max_restarts(
+    sim: SimCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator (release-1.9) recreates a master that exits 143 past the job's
+    backoffLimit (3); the step deletes the job after max_restarts (4), saying why."""
+    swap_command(monkeypatch, "print('attempt', flush=True); raise SystemExit(143)")
+    trainer = PyTorchJobTrainer(
+        sim.api_client(), cluster=ClusterSettings(max_restarts=4), poll_interval_s=POLL_S
+    )
+    with pytest.raises(JobFailed) as info:
+        trainer.run(TrainJob(name="flaky", train_args=[], image="img", timeout_s=30.0))
+
+    msg = str(info.value)
+    assert msg.startswith(
+        "pytorchjob/flaky in default: pod flaky-master-0 failed 5 times with retryable exits, "
+        "more than job_max_restarts=4 allows (the last time: exit code 143)"
+    ), msg
+    assert "; it has been deleted\n--- last lines of flaky-master-0 ---\nattempt" in msg
+    runs = [e for e in sim.fake.history("pods") if e.type == "ADDED"]
+    assert len(runs) >= 5 > 3 + 1  # past backoffLimit: the operator never stopped it
+    assert sim.fake.get_object("pytorchjobs", "flaky") is None
+
+
+def test_sim_a_suspended_jobs_timeout_does_not_run_while_it_waits(
+    sim: SimCluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job created suspended (as Kueue's webhook creates it) has no pods and keeps its
+    whole timeout until it is admitted; then it runs and succeeds."""
+    swap_command(monkeypatch, "print('eval_loss=1.5', flush=True)", {"suspend": True})
+    admitted: list[int] = []  # the resourceVersion at admission
+
+    def admit() -> None:
+        sim.wait_for(lambda: sim.condition("pytorchjobs", "queued", "Suspended"), 10, "Suspended")
+        time.sleep(1.5)  # longer than the timeout
+        assert sim.fake.list_objects("pods") == []
+        obj = sim.fake.get_object("pytorchjobs", "queued")
+        obj["spec"]["runPolicy"]["suspend"] = False  # what Kueue does on admission
+        admitted.append(sim.fake.resource_version)
+        sim.fake.put_object("pytorchjobs", obj)
+
+    admitter = threading.Thread(target=admit, daemon=True)
+    admitter.start()
+    result = PyTorchJobTrainer(sim.api_client(), poll_interval_s=POLL_S).run(
+        TrainJob(name="queued", train_args=[], image="img", timeout_s=1.0)
+    )
+    admitter.join(5)
+
+    assert admitted and result.metrics == {"eval_loss": 1.5}
+    out = capsys.readouterr().out
+    assert "pytorchjob/queued: waiting in a queue (suspended); the 1s timeout starts" in out
+    assert "pytorchjob/queued: admitted after" in out
+    pods = [e.rv for e in sim.fake.history("pods") if e.type == "ADDED"]
+    assert pods and min(pods) > admitted[0]  # no pod before the admission
+
+
+def test_a_job_that_waits_in_the_queue_too_long_is_deleted(fake_k8s: FakeK8s) -> None:
+    body = manifest()
+    body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    body["spec"]["runPolicy"]["suspend"] = True  # as Kueue's webhook leaves it, for ever
+    with pytest.raises(JobTimeout) as info:
+        run(fake_k8s, Echo(), timeout_s=10.0, body=body, queued=pytorchjob_queued,
+            queue_timeout_s=0.3)  # fmt: skip
+    assert str(info.value) == (
+        "pytorchjob/llm-train in default was not admitted within 0.3s (waiting in a queue: "
+        "suspended, queue team-a; last state: Pending); it has been deleted"
+    )
+    assert fake_k8s.get_object("pytorchjobs", NAME) is None

@@ -1,16 +1,31 @@
-"""KatibTuner against the fake API server (schemas: Katib's OpenAPI spec + the PyTorchJob CRD)."""
+"""KatibTuner against the fake API server (schemas: Katib's OpenAPI spec + the PyTorchJob CRD),
+and on the simulated cluster, whose Katib wraps each trial's command as its pod webhook does."""
 
 from __future__ import annotations
 
+import json
+import re
+import shlex
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fakes.fake_k8s import FakeK8s
+from fakes.sim_cluster import WORKSPACE_PVC, SimCluster
 from kubellm.backends.base import JobFailed, JobTimeout, TrainJob, TuneRequest
-from kubellm.backends.kubernetes.katib import KatibTuner, build_experiment
+from kubellm.backends.kubernetes.katib import (
+    TRIAL_SHELL,
+    KatibTuner,
+    build_experiment,
+    trial_log_dir,
+)
+from kubellm.config import TrainConfig
+from kubellm.data.prepare import PrepareParams, prepare
+from kubellm.train.checkpoint import complete_checkpoints
 from kubellm.tune.search import SearchParam
 
 from .conftest import POLL_S
@@ -188,7 +203,14 @@ def test_experiment_embeds_the_trainers_pytorchjob(fake_k8s: FakeK8s) -> None:
         "labels": {"app.kubernetes.io/managed-by": "kubellm"}
     }
     container = trial_container(body)
-    assert container["args"] == [
+    # the trainer's command, under the trial shell that passes SIGTERM on (see katib.py)
+    assert container["command"] == ["sh", "-c"]
+    (script,) = container["args"]
+    assert script.startswith(TRIAL_SHELL + " ")
+    assert shlex.split(script[len(TRIAL_SHELL) :]) == [
+        "python",
+        "-m",
+        "kubellm.train.agent",
         "-m",
         "kubellm.train",
         *BASE_ARGS,
@@ -197,6 +219,21 @@ def test_experiment_embeds_the_trainers_pytorchjob(fake_k8s: FakeK8s) -> None:
         "--set",
         "batch_size=${trialParameters.batch_size}",
     ]
+    assert "$$" not in script and "$(" not in script  # the kubelet would expand those
+    names = {e["name"] for e in container["env"]}
+    assert "KUBELLM_LOG_DIR" not in names  # no workspace PVC: nowhere to save the output
+
+
+def test_with_a_workspace_each_trial_pod_saves_its_output_there(fake_k8s: FakeK8s) -> None:
+    job = TrainJob(name="trial", image="img", train_args=BASE_ARGS, workspace_pvc="ws")
+    body = build_experiment(request(trial_job=job))
+    env = trial_container(body)["env"]
+    assert {"name": "KUBELLM_LOG_DIR", "value": str(trial_log_dir("llm-tune"))} in env
+    assert {
+        "name": "KUBELLM_POD_NAME",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+    } in env
+    assert fake_k8s.validate("experiments", body) == []
 
 
 def test_counts_fit_katibs_limits(fake_k8s: FakeK8s) -> None:
@@ -290,3 +327,127 @@ def test_katibs_stdout_collector_reads_the_trainers_lines(metrics: dict[str, flo
     katib = katib_parse(log, list(metrics))
     for name in metrics:
         assert float(katib[name][-1]) == pytest.approx(ours[name], rel=1e-6), name
+
+
+# ---------------------------------------------------------------- on the simulated cluster
+
+
+@pytest.fixture
+def sim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimCluster]:
+    with SimCluster(tmp_path / "cluster", grace_cap_s=30.0) as cluster:
+        # the step and the trial pods see the workspace PVC at the same path
+        monkeypatch.setenv("KUBELLM_WORKSPACE_MOUNT", str(cluster.pvc_dir(WORKSPACE_PVC)))
+        yield cluster
+        assert cluster.errors == [] and cluster.fake.errors == []
+        assert cluster.fake.forbidden == []
+
+
+def sim_request(job: TrainJob, **overrides: Any) -> TuneRequest:
+    return request(
+        trial_job=job,
+        space=[SearchParam("learning_rate", 1e-3, 2e-3)],
+        max_trials=1,
+        parallel_trials=1,
+        algorithm="random",
+        timeout_s=240.0,
+        **overrides,
+    )
+
+
+def test_a_failed_trials_last_lines_are_printed_by_the_step(
+    sim: SimCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under Katib's wrapper the trial's training container log is empty and its pods go
+    with the trial: the step prints the failed trial's output from the workspace PVC."""
+    job = TrainJob(
+        name="trial",
+        image="img",
+        module="json.tool",  # a worker that fails at once, without torch: no such file
+        train_args=["/no/such/input.json"],
+        nproc_per_node=1,
+        workspace_pvc=WORKSPACE_PVC,
+    )
+    with pytest.raises(JobFailed, match="max failed count"):
+        KatibTuner(sim.api_client(), poll_interval_s=0.2).tune(sim_request(job))
+    out = capsys.readouterr().out
+    (trial,) = sim.fake.list_objects("trials")
+    name = trial["metadata"]["name"]
+    saved = trial_log_dir("llm-tune") / f"{name}-master-0.log"
+    assert f"trial/{name} Failed: TrialFailed. Job reason: PyTorchJobFailed" in out, out
+    assert "last " in out and f" lines of {saved}:" in out, out
+    assert re.search(r"  \| .*/no/such/input\.json", out), out  # the worker's own error
+    assert "  | launch: workers failed; exiting with 2" in out, out  # argparse: 2
+    # what the pod's collector read: the same output, in the metrics file, not the pod log
+    # (the pod is gone with the trial; its emptyDir is the kubelet's pods/<pod>-<uid>/volumes)
+    (metrics,) = sim.tmp_path.glob(f"pods/default/{name}-master-0-*/volumes/*/metrics-volume")
+    assert "/no/such/input.json" in (metrics / "metrics.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("katib-ds")
+    prepare(PrepareParams(num_records=500, vocab_size=300, seq_len=16), out)
+    return out
+
+
+def test_a_deleted_trial_pod_checkpoints_under_katibs_wrapper(
+    sim: SimCluster, small_dataset: Path
+) -> None:
+    """Deleting the trial's master pod: the kubelet's SIGTERM reaches Katib's `sh` only
+    (shareProcessNamespace), and the runtime SIGKILLs the rest of the container once that
+    `sh` exits. The trial shell passes the SIGTERM to the agent and waits: the workers
+    checkpoint and the container exits 200 (EXIT_PREEMPTED)."""
+    pvc = sim.pvc_dir(WORKSPACE_PVC)
+    ckpt = pvc / "ckpt"
+    cfg = TrainConfig.model_validate(
+        {
+            "dataset_dir": str(small_dataset),
+            "output_dir": str(pvc / "out"),
+            "steps": 100_000,  # only the signal ends it
+            "batch_size": 8,
+            "log_every": 20,
+            "eval_batches": 1,
+            "checkpoint_dir": str(ckpt),
+            "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+        }
+    )
+    config = pvc / "trial.json"
+    config.write_text(json.dumps(cfg.model_dump()))
+    job = TrainJob(
+        name="trial",
+        image="img",
+        train_args=["--config", str(config)],
+        nproc_per_node=1,
+        workspace_pvc=WORKSPACE_PVC,
+    )
+    sim.fake.create_object("experiments", build_experiment(sim_request(job)))
+    trial = sim.wait_for(lambda: sim.fake.list_objects("trials"), 30, "a trial")[0]
+    master = f"{trial['metadata']['name']}-master-0"
+    pod = sim.wait_for(lambda: sim.fake.get_object("pods", master), 30, "the master pod")
+    assert pod["spec"]["shareProcessNamespace"] is True
+    metrics = sim.kubelet.empty_dir(pod, "metrics-volume") / "metrics.log"  # what Katib reads
+    sim.wait_for(
+        lambda: metrics.is_file() and re.search(r"^step=40 ", metrics.read_text(), re.M),
+        180,
+        "training past step 40",
+    )
+    assert sim.fake.pod_log("default", master) == ""  # Katib's wrapper: stdout is the file
+    main = sim.kubelet.main_pid(pod)  # Katib's `sh`
+    assert main is not None
+    sim.fake.delete_object("pods", master)  # pre-emption: the kubelet stops the container
+    sim.wait_for(lambda: _gone(main), 60, "the container stopped")
+    output = metrics.read_text()
+    stopped = re.search(r"pre-empted by SIGTERM after step (\d+) \(checkpoint written\)", output)
+    assert stopped, output[-3000:]
+    assert f"step-{int(stopped.group(1)):08d}" in [p.name for p in complete_checkpoints(ckpt)]
+    assert "exiting with 200 (retryable)" in output
+    saved = trial_log_dir("llm-tune") / f"{master}.log"  # the copy on the workspace PVC
+    assert stopped.group(0) in saved.read_text()
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie has)."""
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -155,7 +156,7 @@ def test_two_replica_job_rendezvous_over_gloo_and_succeeds(sim: SimCluster) -> N
         assert f"rank={rank} allreduce=3.0" in logs[name]
     env = {e.name: e.value for e in master.spec.containers[0].env}
     assert env["MASTER_ADDR"] == env["PET_MASTER_ADDR"] == "127.0.0.1"
-    assert env["WORLD_SIZE"] == "2" and env["RANK"] == "0" and env["PYTHONUNBUFFERED"] == "0"
+    assert env["WORLD_SIZE"] == "2" and env["RANK"] == "0" and env["PYTHONUNBUFFERED"] == "1"
 
 
 def test_permanent_exit_code_fails_the_job_naming_the_replica(sim: SimCluster) -> None:
@@ -174,39 +175,241 @@ def test_permanent_exit_code_fails_the_job_naming_the_replica(sim: SimCluster) -
     assert core.read_namespaced_pod_log("bad-master-0", "default") == "boom\n"
 
 
-def test_retryable_exit_code_is_retried_up_to_the_backoff_limit(sim: SimCluster) -> None:
-    api = k8s.CustomObjectsApi(sim.api_client())
-    rv = api.list_namespaced_custom_object(*JOBS)["metadata"]["resourceVersion"]
-    api.create_namespaced_custom_object(
-        *JOBS, pytorchjob("flaky", "import sys; sys.exit(200)", run_policy={"backoffLimit": 2})
-    )
-    sim.wait_for(lambda: sim.condition("pytorchjobs", "flaky", "Failed"), what="flaky Failed")
-    failed = condition(sim.fake.get_object("pytorchjobs", "flaky"), "Failed")
-    assert failed["message"] == (
-        "Job flaky has failed because it has reached the specified backoff limit"
-    )
+def pods_created(sim: SimCluster, rv: str) -> list[str]:
+    """The uids of the pods created since resourceVersion `rv`, from a watch."""
     core = k8s.CoreV1Api(sim.api_client())
     events = watch.Watch().stream(
         core.list_namespaced_pod, "default", resource_version=rv, timeout_seconds=1
     )
-    created = [e["object"].metadata.uid for e in events if e["type"] == "ADDED"]
-    assert len(created) == 3  # the first run and backoffLimit retries, each a new pod
+    return [e["object"].metadata.uid for e in events if e["type"] == "ADDED"]
 
 
-def test_active_deadline_fails_the_job_and_deletes_its_pods(sim: SimCluster) -> None:
+def test_retryable_exit_code_is_retried_past_the_backoff_limit(sim: SimCluster) -> None:
+    """release-1.9 recreates a pod that exits 128-255 under ExitCode with restartPolicy
+    Never, and its backoffLimit counts only container restarts of Running pods: the limit is
+    never reached, and the job loops (kubeflow/trainer#2045)."""
+    api = k8s.CustomObjectsApi(sim.api_client())
+    rv = api.list_namespaced_custom_object(*JOBS)["metadata"]["resourceVersion"]
+    api.create_namespaced_custom_object(
+        *JOBS, pytorchjob("flaky", "import sys; sys.exit(143)", run_policy={"backoffLimit": 1})
+    )
+    sim.wait_for(lambda: len(pods_created(sim, rv)) >= 4, 20, "4 attempts of flaky")
+    job = sim.fake.get_object("pytorchjobs", "flaky")
+    assert not condition(job, "Failed"), job["status"]  # 4 runs, backoffLimit 1
+    restarting = [
+        condition(e.obj, "Restarting")
+        for e in sim.fake.history("pytorchjobs")
+        if condition(e.obj, "Restarting").get("status") == "True"
+    ]  # it turns to Running while each new pod runs
+    assert restarting and restarting[-1]["reason"] == "PyTorchJobRestarting"
+    api.delete_namespaced_custom_object(*JOBS, "flaky")
+
+
+def test_backoff_limit_counts_in_place_restarts_under_on_failure(sim: SimCluster) -> None:
+    """OnFailure leaves restarts to the kubelet (restartCount), which PastBackoffLimit sums
+    for Running pods: that limit holds."""
+    api = k8s.CustomObjectsApi(sim.api_client())
+    code = "import sys, time; time.sleep(0.3); sys.exit(1)"  # Running long enough to be seen
+    api.create_namespaced_custom_object(
+        *JOBS, pytorchjob("onfail", code, restart="OnFailure", run_policy={"backoffLimit": 1})
+    )
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "onfail", "Failed"), 20, "onfail Failed")
+    failed = condition(sim.fake.get_object("pytorchjobs", "onfail"), "Failed")
+    assert failed["message"] == (
+        "Job onfail has failed because it has reached the specified backoff limit"
+    )
+
+
+def test_backoff_limit_zero_fails_on_the_first_failure(sim: SimCluster) -> None:
+    """backoffLimit 0 is the one value ReconcileJobs' new-failure check (NumRequeues 0, plus
+    one) enforces under ExitCode."""
+    api = k8s.CustomObjectsApi(sim.api_client())
+    rv = api.list_namespaced_custom_object(*JOBS)["metadata"]["resourceVersion"]
+    api.create_namespaced_custom_object(
+        *JOBS, pytorchjob("once", "import sys; sys.exit(143)", run_policy={"backoffLimit": 0})
+    )
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "once", "Failed"), 20, "once Failed")
+    failed = condition(sim.fake.get_object("pytorchjobs", "once"), "Failed")
+    assert failed["message"] == (
+        "Job once has failed because it has reached the specified backoff limit"
+    )
+    assert len(pods_created(sim, rv)) == 1
+
+
+def test_active_deadline_is_enforced_only_when_the_job_is_reconciled(sim: SimCluster) -> None:
+    """The operator's requeue at the deadline goes to a work queue that drops it
+    (FakeWorkQueue): a quiet job runs past activeDeadlineSeconds until an event about it
+    (kubeflow/trainer#3358); then it fails and its pods are deleted."""
     api = k8s.CustomObjectsApi(sim.api_client())
     api.create_namespaced_custom_object(
         *JOBS,
         pytorchjob("slow", "import time; time.sleep(60)", run_policy={"activeDeadlineSeconds": 1}),
     )
-    sim.wait_for(lambda: pod_names(sim) == ["slow-master-0"], what="the pod")
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "slow", "Running"), 10, "slow Running")
+    time.sleep(1.5)
+    assert not sim.condition("pytorchjobs", "slow", "Failed")  # past its deadline, running
+    assert pod_names(sim) == ["slow-master-0"]
+    job = sim.fake.get_object("pytorchjobs", "slow")
+    job["metadata"].setdefault("labels", {})["touched"] = "yes"
+    sim.fake.put_object("pytorchjobs", job)  # any event reconciles it
     sim.wait_for(lambda: sim.condition("pytorchjobs", "slow", "Failed"), 10, "slow Failed")
     failed = condition(sim.fake.get_object("pytorchjobs", "slow"), "Failed")
     assert (failed["reason"], failed["message"]) == (
         "PyTorchJobFailed",
         "Job slow has failed because it was active longer than specified deadline",
     )
+    sim.wait_for(lambda: pod_names(sim) == [], 5, "the pods deleted")
+
+
+def test_a_permanent_exit_code_failure_is_never_deleted_by_the_ttl(sim: SimCluster) -> None:
+    """ReconcilePods marks the job Failed without a completionTime, and CleanupJob cannot
+    work out a TTL without one: the job stays."""
+    api = k8s.CustomObjectsApi(sim.api_client())
+    policy = {"ttlSecondsAfterFinished": 0}
+    api.create_namespaced_custom_object(
+        *JOBS, pytorchjob("stays", "import sys; sys.exit(1)", run_policy=policy)
+    )
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "stays", "Failed"), 10, "stays Failed")
+    time.sleep(0.5)
+    job = sim.fake.get_object("pytorchjobs", "stays")
+    assert job is not None and "completionTime" not in job["status"]
+
+
+def test_worker_pods_get_the_init_pytorch_init_container(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    api.create_namespaced_custom_object(*JOBS, pytorchjob("init", "pass", workers=2))
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "init", "Succeeded"), 20, "Succeeded")
+    master = sim.fake.get_object("pods", "init-master-0")
+    assert "initContainers" not in master["spec"]
+    for name in ("init-worker-0", "init-worker-1"):
+        (init,) = sim.fake.get_object("pods", name)["spec"]["initContainers"]
+        assert init == {
+            "name": "init-pytorch",
+            "image": "alpine:3.10",
+            "imagePullPolicy": "IfNotPresent",
+            "resources": {
+                "limits": {"cpu": "100m", "memory": "20Mi"},
+                "requests": {"cpu": "50m", "memory": "10Mi"},
+            },
+            "command": [
+                "sh",
+                "-c",
+                "err=1;for i in $(seq 100); do if nslookup init-master-0; then err=0 && break; "
+                "fi;echo waiting for master; sleep 2; done; exit $err",
+            ],
+        }
+
+
+def test_a_suspended_job_has_no_pods_until_it_is_resumed(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    code = "import time; time.sleep(30)"
+    api.create_namespaced_custom_object(
+        *JOBS, pytorchjob("queued", code, run_policy={"suspend": True})
+    )
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "queued", "Suspended"), 10, "Suspended")
+    job = sim.fake.get_object("pytorchjobs", "queued")
+    suspended = condition(job, "Suspended")
+    assert (suspended["reason"], suspended["message"]) == (
+        "PyTorchJobSuspended",
+        "PyTorchJob queued is suspended.",
+    )
+    assert condition(job, "Created")["status"] == "True"
+    assert "startTime" not in job["status"]
+    time.sleep(0.3)
     assert pod_names(sim) == []
+
+    job["spec"]["runPolicy"]["suspend"] = False  # what Kueue does on admission
+    sim.fake.put_object("pytorchjobs", job)
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "queued", "Running"), 10, "Running")
+    job = sim.fake.get_object("pytorchjobs", "queued")
+    resumed = condition(job, "Suspended")
+    assert (resumed["status"], resumed["reason"], resumed["message"]) == (
+        "False",
+        "PyTorchJobResumed",
+        "PyTorchJob queued is resumed.",
+    )
+    assert job["status"]["startTime"]
+
+    job["spec"]["runPolicy"]["suspend"] = True  # pre-empted: suspended again while running
+    sim.fake.put_object("pytorchjobs", job)
+    sim.wait_for(lambda: pod_names(sim) == [], 10, "the pods deleted")
+    sim.wait_for(
+        lambda: (
+            condition(sim.fake.get_object("pytorchjobs", "queued"), "Suspended").get("status")
+            == "True"
+        ),
+        10,
+        "Suspended again",
+    )
+    job = sim.fake.get_object("pytorchjobs", "queued")
+    running = condition(job, "Running")
+    assert (running["status"], running["reason"]) == ("False", "PyTorchJobSuspended")
+    assert "active" not in job["status"]["replicaStatuses"]["Master"]
+
+    started = job["status"]["startTime"]
+    time.sleep(1.1)  # startTime has a resolution of seconds
+    job["spec"]["runPolicy"]["suspend"] = False  # admitted again: the deadline starts anew
+    sim.fake.put_object("pytorchjobs", job)
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "queued", "Running"), 10, "Running again")
+    assert sim.fake.get_object("pytorchjobs", "queued")["status"]["startTime"] > started
+    api.delete_namespaced_custom_object(*JOBS, "queued")
+
+
+def test_defaults_fill_replicas_restart_policy_and_the_port(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    body = pytorchjob("plain", "pass")
+    del body["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"]
+    del body["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"]
+    api.create_namespaced_custom_object(*JOBS, body)
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "plain", "Succeeded"), 10, "Succeeded")
+    pod = sim.fake.get_object("pods", "plain-master-0")
+    assert pod["spec"]["restartPolicy"] == "OnFailure"
+    (container,) = pod["spec"]["containers"]
+    assert container["ports"] == [
+        {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"}
+    ]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PET_NPROC_PER_NODE"] == "auto" and env["WORLD_SIZE"] == "1"
+
+
+def test_restart_policy_never_fails_the_job_on_a_failed_replica(sim: SimCluster) -> None:
+    api = k8s.CustomObjectsApi(sim.api_client())
+    api.create_namespaced_custom_object(
+        *JOBS, pytorchjob("never", "import sys; sys.exit(137)", restart="Never")
+    )
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "never", "Failed"), 10, "never Failed")
+    job = sim.fake.get_object("pytorchjobs", "never")
+    failed = condition(job, "Failed")
+    assert (failed["reason"], failed["message"]) == (
+        "PyTorchJobFailed",
+        "PyTorchJob never is failed because 1 Master replica(s) failed.",
+    )
+    assert job["status"]["completionTime"]
+    assert pod_names(sim) == ["never-master-0"]  # not retried, not deleted (cleanPodPolicy)
+
+
+def test_a_succeeded_job_counts_its_running_replicas_as_succeeded(sim: SimCluster) -> None:
+    """The master's success ends the job; a worker still running is counted succeeded."""
+    api = k8s.CustomObjectsApi(sim.api_client())
+    code = "import os, time; os.environ['PET_NODE_RANK'] == '0' or time.sleep(30)"
+    api.create_namespaced_custom_object(*JOBS, pytorchjob("early", code, workers=1))
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "early", "Succeeded"), 10, "Succeeded")
+    statuses = sim.wait_for(
+        lambda: (
+            (s := sim.fake.get_object("pytorchjobs", "early")["status"]["replicaStatuses"])
+            and "active" not in s["Worker"]
+            and s
+        ),
+        5,
+        "the worker counted",
+    )
+    assert statuses["Worker"] == {
+        "succeeded": 1,
+        "selector": "training.kubeflow.org/job-name=early,"
+        "training.kubeflow.org/operator-name=pytorchjob-controller,"
+        "training.kubeflow.org/replica-type=worker",
+    }
+    assert sim.fake.get_object("pods", "early-worker-0")["status"]["phase"] == "Running"
 
 
 def test_ttl_deletes_the_finished_job_and_clean_pod_policy_its_pods(sim: SimCluster) -> None:
@@ -339,12 +542,112 @@ def test_deleting_a_pod_terminates_its_process(sim: SimCluster, tmp_path: Path) 
     assert sim.fake.get_object("pods", "sleeper") is None
 
 
+CHILD = textwrap.dedent(
+    """
+    import os, pathlib, signal, sys, time
+    def bye(*_):
+        pathlib.Path(sys.argv[1]).write_text("SIGTERM")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, bye)
+    pathlib.Path(sys.argv[2]).write_text(str(os.getpid()))
+    time.sleep(60)
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def test_deletion_signals_the_main_process_only_then_the_rest_dies(
+    sim: SimCluster, tmp_path: Path
+) -> None:
+    """The runtime's SIGTERM goes to the container's main process, not to its process group:
+    with shareProcessNamespace `sh` is not PID 1 and dies of it; its child, which would
+    handle SIGTERM, gets none, and is SIGKILLed with the rest of the container at once."""
+    script, marker, pidfile = tmp_path / "child.py", tmp_path / "marker", tmp_path / "pid"
+    script.write_text(CHILD)
+    body = pod_body("wrapped", "")
+    body["spec"]["containers"][0]["command"] = [
+        "sh",
+        "-c",
+        f"python {script} {marker} {pidfile} && echo done",
+    ]
+    body["spec"]["shareProcessNamespace"] = True
+    sim.fake.create_object("pods", body)
+    sim.wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "the child started")
+    child = int(pidfile.read_text())
+    start = time.monotonic()
+    sim.fake.delete_object("pods", "wrapped")
+    sim.wait_for(lambda: not alive(child), 3, "the child killed with its container")
+    assert time.monotonic() - start < 3  # at once, not after the grace period
+    assert not marker.exists()  # no SIGTERM reached the child
+
+
+def test_pid_1_without_a_handler_ignores_sigterm_until_the_grace_period(
+    sim: SimCluster, tmp_path: Path
+) -> None:
+    """Without shareProcessNamespace the main process is PID 1 of its namespace: the kernel
+    drops a signal from outside that it has no handler for, so only the SIGKILL after
+    terminationGracePeriodSeconds ends a plain `python` that sleeps."""
+    pidfile = tmp_path / "pid"
+    code = (
+        f"import os, pathlib, time; pathlib.Path({str(pidfile)!r}).write_text(str(os.getpid()))"
+        "; time.sleep(60)"
+    )
+    body = pod_body("stubborn", code)
+    body["spec"]["terminationGracePeriodSeconds"] = 1
+    sim.fake.create_object("pods", body)
+    sim.wait_for(lambda: pidfile.exists() and pidfile.read_text(), 10, "started")
+    pid = int(pidfile.read_text())
+    sim.fake.delete_object("pods", "stubborn")
+    time.sleep(0.5)
+    assert alive(pid)  # the SIGTERM was dropped
+    sim.wait_for(lambda: not alive(pid), 3, "SIGKILLed after the grace period")
+
+
+def test_the_rest_of_a_container_dies_with_its_main_process(
+    sim: SimCluster, tmp_path: Path
+) -> None:
+    """A process the main process left behind is killed when it exits (the kernel does it
+    for PID 1, containerd's shim with a shared PID namespace), and the pod completes."""
+    script, marker, pidfile = tmp_path / "child.py", tmp_path / "marker", tmp_path / "pid"
+    script.write_text(CHILD)
+    body = pod_body("leaver", "")
+    waits = f"while [ ! -s {pidfile} ]; do sleep 0.05; done"
+    body["spec"]["containers"][0]["command"] = [
+        "sh",
+        "-c",
+        f"python {script} {marker} {pidfile} & {waits}; echo started",
+    ]
+    sim.fake.create_object("pods", body)
+    phase = lambda: (sim.fake.get_object("pods", "leaver") or {}).get("status", {}).get("phase")  # noqa: E731
+    sim.wait_for(lambda: phase() == "Succeeded", 10, "the pod Succeeded")
+    assert sim.fake.pod_log("default", "leaver") == "started\n"
+    sim.wait_for(lambda: not alive(int(pidfile.read_text())), 3, "the child killed")
+    assert not marker.exists()
+
+
 # ---------------------------------------------------------------- Katib
 
 
-def experiment(name: str, trial_code: str, max_trials: int = 4, **spec: Any) -> dict[str, Any]:
-    job = pytorchjob("unused", trial_code.replace("X", "${trialParameters.x}"))
+def experiment(
+    name: str, trial_code: str, max_trials: int = 4, workers: int = 0, **spec: Any
+) -> dict[str, Any]:
+    """A trial runs `sh -c "python -c '<trial_code>'"`, X replaced by the parameter x: Katib's
+    webhook joins a command's words with spaces, unquoted, so code with spaces must come
+    quoted inside a shell command of its own (which Katib keeps and appends to)."""
+    job = pytorchjob("unused", "", workers=workers)
     del job["metadata"]
+    code = trial_code.replace("X", "${trialParameters.x}")
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        (c,) = replica["template"]["spec"]["containers"]
+        c["command"] = ["sh", "-c", f"python -c {shlex.quote(code)}"]
     return {
         "apiVersion": "kubeflow.org/v1beta1",
         "kind": "Experiment",
@@ -386,8 +689,8 @@ def finished(sim: SimCluster, name: str) -> bool:
 def test_experiment_finds_the_trial_with_the_lowest_objective(sim: SimCluster) -> None:
     api = k8s.CustomObjectsApi(sim.api_client())
     code = (  # X is the trial's parameter; eval_loss is printed twice, min is the objective
-        "x = float('X'); print(f'step=1 eval_loss={(x - 0.3) ** 2 + 1}'); "
-        "print(f'eval_loss={(x - 0.3) ** 2}')"
+        'x = float("X"); print(f"step=1 eval_loss={(x - 0.3) ** 2 + 1}"); '
+        'print(f"eval_loss={(x - 0.3) ** 2}")'
     )
     api.create_namespaced_custom_object(*EXPERIMENTS, experiment("tune", code))
     sim.wait_for(lambda: finished(sim, "tune"), 30, "experiment done")
@@ -425,7 +728,7 @@ def test_experiment_finds_the_trial_with_the_lowest_objective(sim: SimCluster) -
         assert ("pytorchjobs", "default", t["metadata"]["name"]) in sim.fake.deleted
         x = t["spec"]["parameterAssignments"][0]["value"]
         master = t["spec"]["runSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]
-        assert f"float('{x}')" in master["template"]["spec"]["containers"][0]["command"][2]
+        assert f'float("{x}")' in master["template"]["spec"]["containers"][0]["command"][2]
     assert sim.fake.list_objects("pytorchjobs") == []
 
 
@@ -479,6 +782,79 @@ def test_without_the_collector_injection_label_trials_never_report(sim: SimClust
     trial = sim.fake.get_object("trials", name)
     assert condition(trial, "Running")["status"] == "True"  # requeued forever, as in Katib
     assert not finished(sim, "blind")
+
+
+def test_katibs_webhook_wraps_the_primary_container_and_reads_the_metrics_file(
+    sim: SimCluster,
+) -> None:
+    """The master pod of a trial: its training container runs under Katib's shell wrapper,
+    its output goes to the metrics file (the pod log stays empty), a sidecar is added, and
+    the trial's metrics come from that file. The worker pod keeps its command."""
+    body = experiment("wrap", 'print("eval_loss=X")', max_trials=1, workers=1)
+    body["spec"]["parallelTrialCount"] = 1
+    body["spec"]["trialTemplate"]["retain"] = True  # keep the job and pods to look at
+    sim.fake.create_object("experiments", body)
+    sim.wait_for(lambda: finished(sim, "wrap"), 30, "experiment done")
+    (trial,) = sim.fake.list_objects("trials")
+    name, x = trial["metadata"]["name"], trial["spec"]["parameterAssignments"][0]["value"]
+    assert condition(trial, "Succeeded")["status"] == "True"
+    (metric,) = trial["status"]["observation"]["metrics"]
+    assert float(metric["latest"]) == pytest.approx(float(x))
+
+    master = sim.fake.get_object("pods", f"{name}-master-0")
+    assert master is not None and sim.fake.pod_log("default", f"{name}-master-0") == ""
+    spec = master["spec"]
+    assert spec["shareProcessNamespace"] is True
+    primary, sidecar = spec["containers"]
+    assert primary["command"] == ["sh", "-c"]
+    (script,) = primary["args"]
+    assert script == (
+        f"python -c 'print(\"eval_loss={x}\")' 1>/var/log/katib/metrics.log 2>&1 "
+        "&& echo completed > /var/log/katib/$$$$.pid"
+    )
+    assert {
+        "name": "KATIB_TRIAL_NAME",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['katib.kubeflow.org/trial']"}},
+    } in primary["env"]
+    assert master["metadata"]["labels"]["katib.kubeflow.org/trial"] == name
+    assert sidecar["name"] == "metrics-logger-and-collector"
+    assert sidecar["resources"] == {
+        "requests": {"cpu": "50m", "memory": "10Mi", "ephemeral-storage": "500Mi"},
+        "limits": {"cpu": "500m", "memory": "100Mi", "ephemeral-storage": "5Gi"},
+    }
+    assert sidecar["args"][sidecar["args"].index("-path") + 1] == "/var/log/katib/metrics.log"
+    mount = {"name": "metrics-volume", "mountPath": "/var/log/katib"}
+    assert mount in primary["volumeMounts"] and mount in sidecar["volumeMounts"]
+    assert {"name": "metrics-volume", "emptyDir": {}} in spec["volumes"]
+    folder = sim.kubelet.empty_dir(master, "metrics-volume")
+    assert (folder / "metrics.log").read_text() == f"eval_loss={x}\n"
+    assert (folder / f"{sim.kubelet.main_pid(master)}.pid").read_text() == "completed\n"
+
+    worker = sim.fake.get_object("pods", f"{name}-worker-0")
+    assert worker is not None
+    (container,) = worker["spec"]["containers"]  # not the primary pod: no sidecar, no wrapper
+    assert container["command"][2] == f"python -c 'print(\"eval_loss={x}\")'"
+    assert "shareProcessNamespace" not in worker["spec"]
+    assert worker["metadata"]["labels"]["katib.kubeflow.org/trial"] == name
+    sim.wait_for(lambda: sim.fake.pod_log("default", f"{name}-worker-0"), 10, "worker log")
+    assert sim.fake.pod_log("default", f"{name}-worker-0") == f"eval_loss={x}\n"
+
+
+def test_katib_joins_a_plain_command_unquoted(sim: SimCluster) -> None:
+    """wrapWorkerContainer joins the command's words with spaces, without quoting: a
+    `python -c` whose code has a space or a parenthesis is a shell syntax error."""
+    body = experiment("unquoted", "", max_trials=1, parallelTrialCount=1)
+    master = body["spec"]["trialTemplate"]["trialSpec"]["spec"]["pytorchReplicaSpecs"]["Master"]
+    master["template"]["spec"]["containers"][0]["command"] = [
+        "python",
+        "-c",
+        "print('eval_loss=${trialParameters.x}')",
+    ]
+    sim.fake.create_object("experiments", body)
+    sim.wait_for(lambda: finished(sim, "unquoted"), 30, "experiment done")
+    assert sim.condition("experiments", "unquoted", "Failed")
+    (trial,) = sim.fake.list_objects("trials")
+    assert condition(trial, "Failed")["reason"] == "TrialFailed. Job reason: PyTorchJobFailed"
 
 
 # ---------------------------------------------------------------- KServe

@@ -1,5 +1,6 @@
 """The kustomize manifests: they render, validate against Kubernetes' own schemas, and keep
-the security posture we promise (non-root, no escalation, least-privilege RBAC, no secrets).
+the security posture we promise (non-root, no escalation, least-privilege RBAC, no secret
+read beyond the one the KFP launcher needs, by name).
 
 Rendering needs `kubectl` (its built-in kustomize); without it those tests skip, saying so.
 Schema validation uses `kubernetes-validate` (strict: unknown fields fail, as with
@@ -24,6 +25,9 @@ from typing import Any
 
 import pytest
 import yaml
+
+from fakes.k8s_rbac import Attributes, Role
+from fakes.kfp_runtime import PIPELINES_ENABLED, RUNTIME_GETS
 
 from .checkov_check import checkov_available, checkov_failures
 from .psa import psa_violations
@@ -106,8 +110,23 @@ CLIENT_VERBS: dict[tuple[str, str], frozenset[str]] = {
     ("argoproj.io", "workflowtaskresults"): frozenset({"create", "patch"}),
 }
 
+# What the KFP v2 runtime in every step pod reads as the run's ServiceAccount, the driver
+# and the launcher (tests/fakes/kfp_runtime.py makes these requests through the fake API
+# server): `get` on exactly these objects, by resourceNames. KFP's own Role for the run's
+# ServiceAccount grants them more broadly (UPSTREAM_RUNNER_ROLE); ours names the objects.
+KFP_RUNTIME: dict[tuple[str, str], dict[str, frozenset[str]]] = {
+    key: {"get": frozenset({name})} for key, name in RUNTIME_GETS.items()
+}
+# kubeflow/pipelines manifests/kustomize/base/pipeline/pipeline-runner-role.yaml at 2.17.0
+UPSTREAM_RUNNER_ROLE = REPO / "tests" / "fixtures" / "kfp" / "pipeline-runner-role.yaml"
+# Resources the Role may grant only on named objects, and only these verbs.
+BY_NAME_ONLY: dict[str, frozenset[str]] = {
+    "secrets": frozenset({"get"}),
+    "configmaps": frozenset({"get"}),
+}
+
 # Resources of the core API group ("") the Role may name.
-CORE_RESOURCES = frozenset({"pods", "pods/log"})
+CORE_RESOURCES = frozenset({"pods", "pods/log", "configmaps", "secrets"})
 # Resources of APIs whose schemas are not vendored, each with the upstream source that
 # says the resource exists and what needs it.
 DOCUMENTED_RESOURCES: dict[tuple[str, str], str] = {
@@ -238,8 +257,11 @@ def rbac_problems(role: dict[str, Any]) -> list[str]:
         for res in rule.get("resources") or []:
             if res.split("/")[0] in CLUSTER_SCOPED_RESOURCES:
                 problems.append(f"cluster-scoped resource {res}")
-            if res in ("secrets",):
-                problems.append("access to secrets")
+            if res in BY_NAME_ONLY:
+                if not rule.get("resourceNames"):
+                    problems.append(f"{res} not restricted by resourceNames")
+                if set(rule.get("verbs") or ()) - BY_NAME_ONLY[res]:
+                    problems.append(f"{res}: verbs beyond {sorted(BY_NAME_ONLY[res])}")
         for verb in rule.get("verbs") or []:
             if verb in ("bind", "escalate", "impersonate"):
                 problems.append(f"privilege-granting verb {verb}")
@@ -303,12 +325,27 @@ def unknown_resources(role: dict[str, Any]) -> list[str]:
 
 
 def granted_verbs(role: dict[str, Any]) -> dict[tuple[str, str], frozenset[str]]:
+    """(apiGroup, resource) -> verbs, of the rules on every object (no resourceNames)."""
     granted: dict[tuple[str, str], set[str]] = {}
     for rule in role.get("rules") or []:
+        if rule.get("resourceNames"):
+            continue
         for group in rule["apiGroups"]:
             for res in rule["resources"]:
                 granted.setdefault((group, res), set()).update(rule["verbs"])
     return {k: frozenset(v) for k, v in granted.items()}
+
+
+def granted_by_name(role: dict[str, Any]) -> dict[tuple[str, str], dict[str, frozenset[str]]]:
+    """(apiGroup, resource) -> verb -> names, of the rules restricted by resourceNames."""
+    granted: dict[tuple[str, str], dict[str, set[str]]] = {}
+    for rule in role.get("rules") or []:
+        for group in rule["apiGroups"] if rule.get("resourceNames") else ():
+            for res in rule["resources"]:
+                for verb in rule["verbs"]:
+                    names = granted.setdefault((group, res), {}).setdefault(verb, set())
+                    names.update(rule["resourceNames"])
+    return {k: {verb: frozenset(n) for verb, n in v.items()} for k, v in granted.items()}
 
 
 # --------------------------------------------------------------------------- every shipped file
@@ -430,6 +467,8 @@ def test_rbac_is_namespaced_and_least_privilege(kustomization: str) -> None:
     assert not lacking, f"the Role lacks {lacking}"
     assert not beyond, f"the Role grants more than CLIENT_VERBS: {beyond}"
     assert granted == CLIENT_VERBS
+    # the KFP runtime's reads: exactly these objects, nothing else by name
+    assert granted_by_name(role) == KFP_RUNTIME, "the Role's grants by resourceNames"
 
     binding = named(objects, "RoleBinding", "kubellm-pipeline")
     assert binding["roleRef"] == {
@@ -441,6 +480,43 @@ def test_rbac_is_namespaced_and_least_privilege(kustomization: str) -> None:
         {"kind": "ServiceAccount", "name": "kubellm-pipeline", "namespace": NAMESPACE}
     ]
     named(objects, "ServiceAccount", "kubellm-pipeline")
+
+
+def test_the_kfp_runtime_grants_are_ones_kfps_own_runner_role_makes() -> None:
+    """Each object the KFP runtime reads is one KFP's pipeline-runner Role lets the run's
+    ServiceAccount read (evaluated as RBAC does, fakes/k8s_rbac.py): our table comes from
+    the runtime's needs, which upstream's Role confirms, not from kubellm's client."""
+    upstream = Role(UPSTREAM_RUNNER_ROLE)
+    assert KFP_RUNTIME, "no KFP runtime grants"
+    for (group, resource), verbs in KFP_RUNTIME.items():
+        for verb, names in verbs.items():
+            for name in names:
+                attrs = Attributes(verb, group, resource, "", NAMESPACE, name)
+                assert upstream.allows(attrs), f"pipeline-runner does not grant {attrs}"
+
+
+@pytest.mark.parametrize(
+    ("rule", "problem"),
+    [
+        ({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}, "resourceNames"),
+        (
+            {
+                "apiGroups": [""],
+                "resources": ["secrets"],
+                "resourceNames": ["x"],
+                "verbs": ["list"],
+            },
+            "verbs beyond",
+        ),
+        ({"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}, "resourceNames"),
+    ],
+)
+def test_secrets_and_configmaps_only_by_name_and_only_get(
+    rule: dict[str, Any], problem: str
+) -> None:
+    assert any(problem in p for p in rbac_problems({"rules": [rule]}))
+    named_get = {**rule, "resourceNames": ["x"], "verbs": ["get"]}
+    assert rbac_problems({"rules": [named_get]}) == []
 
 
 @needs_kubectl
@@ -558,6 +634,9 @@ def test_namespace_labels(kustomization: str) -> None:
     labels = named(render(kustomization), "Namespace", NAMESPACE)["metadata"]["labels"]
     # Without it Katib injects no metrics collector and every trial ends MetricsUnavailable.
     assert labels.get(KATIB_INJECTION_LABEL) == "enabled"
+    # Without it KFP's profile controller creates neither kfp-launcher nor the artifact
+    # Secret, and every step's launcher fails (fakes/kfp_runtime.py profile_controller_sync).
+    assert labels.get(PIPELINES_ENABLED) == "true"
     assert labels["pod-security.kubernetes.io/enforce"] == ENFORCE_LEVELS[kustomization]
     assert labels["pod-security.kubernetes.io/warn"] == "restricted"
     assert labels["pod-security.kubernetes.io/audit"] == "restricted"

@@ -136,9 +136,17 @@ def test_steps_run_in_the_runtime_image_without_pip(spec: dict[str, Any]) -> Non
         # the runtime_image parameter, resolved per run (PipelineTask.set_container_image)
         assert container["image"] == "{{$.inputs.parameters['pipelinechannel--runtime_image']}}"
         assert "pip install" not in " ".join(container["command"]), name
+        # the steps that load the model have their own size; the rest share step_*
+        step = next((s for s in ("evaluate", "register") if name == f"exec-{s}"), "step")
         resources = container["resources"]
-        assert resources["resourceCpuLimit"].endswith("['pipelinechannel--step_cpu']}}"), name
-        assert resources["resourceMemoryLimit"].endswith("['pipelinechannel--step_memory']}}")
+        assert resources["resourceCpuLimit"].endswith(f"['pipelinechannel--{step}_cpu']}}}}"), name
+        assert resources["resourceMemoryLimit"].endswith(f"['pipelinechannel--{step}_memory']}}}}")
+        gpus = resources.get("accelerator", {}).get("resourceCount", "")
+        assert gpus == (
+            "{{$.inputs.parameters['pipelinechannel--evaluate_gpus']}}"
+            if step == "evaluate"
+            else ""
+        ), name
 
 
 def test_cluster_wiring_uses_kubernetes_objects_not_parameters(spec: dict[str, Any]) -> None:

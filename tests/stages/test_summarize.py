@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from kubellm import backends
 from kubellm.stages import summarize
 from kubellm.stages.context import StageContext
 from stages.conftest import RUN, Chain
+
+# How "Failed stages:" starts when no stage run recorded the failure.
+NO_STAGE = "no stage recorded an error: a step failed before or outside its stage"
 
 
 def test_summary_reads_every_stage_from_mlflow(chain: Chain, ctx: StageContext) -> None:
@@ -78,3 +85,104 @@ def test_a_run_that_stopped_early_shows_only_the_stages_that_ran(
     for absent in ("best trial", "final train loss", "gate", "endpoint", "prompt -> answer"):
         assert f"| {absent} |" not in report, absent
     assert "| - |" not in report
+
+
+# ----------------------------------------------------------------- the backend's own words
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Pipeline parameters with one runs_dir (one MLflow store) for this module's runs."""
+    from stages.conftest import TINY
+
+    return {**TINY, "runs_dir": str(tmp_path_factory.mktemp("summarize") / "runs")}
+
+
+def _tracked_run(params: dict[str, Any], run: str) -> tuple[Any, str]:
+    """A tracker and a parent run for pipeline run `run`, without the stage chain."""
+    from kubellm.config import pipeline_config
+    from kubellm.stages.context import open_tracker
+
+    tracker = open_tracker(backends.resolve(pipeline_config(params)), run)
+    return tracker, tracker.start_parent(run, {})
+
+
+def test_the_backends_complete_is_success_on_the_summary_and_the_mlflow_parent(
+    runs: dict[str, Any],
+) -> None:
+    """The KFP backend hands the exit handler the MLMD state COMPLETE, not kfp.local's
+    SUCCEEDED (backend/src/v2/driver/resolve.go at 2.17.0)."""
+    tracker, parent = _tracked_run(runs, "complete")
+    with tracker.stage(parent, "train"):
+        pass
+    result = summarize.run(runs, "complete", "COMPLETE")
+    assert result.report.splitlines()[0] == "# kubellm run complete: SUCCEEDED"
+    assert "Failed stages:" not in result.report
+    run = tracker.client.get_run(parent)
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert (tags["kubellm.state"], tags["kubellm.backend_state"]) == ("SUCCEEDED", "COMPLETE")
+    assert tags["kubellm.error"] == ""
+
+
+def test_without_the_backends_error_the_error_comes_from_the_failed_stage(
+    runs: dict[str, Any],
+) -> None:
+    """The backend never fills PipelineTaskFinalStatus.error: the failed stage run's
+    kubellm.error is the run's error."""
+    tracker, parent = _tracked_run(runs, "failed")
+    with tracker.stage(parent, "preflight"):
+        pass
+    with pytest.raises(RuntimeError), tracker.stage(parent, "train"):
+        raise RuntimeError("PyTorchJob kubellm-train-x failed: exit code 1")
+    result = summarize.run(runs, "failed", "FAILED", "")
+    assert result.report.splitlines()[0] == "# kubellm run failed: FAILED"
+    assert "\nFailed stages:\n- train: PyTorchJob kubellm-train-x failed: exit code 1\n" in (
+        result.report
+    )
+    run = tracker.client.get_run(parent)
+    assert run.info.status == "FAILED"
+    assert run.data.tags["kubellm.error"] == "train: PyTorchJob kubellm-train-x failed: exit code 1"
+    assert run.data.tags["kubellm.backend_state"] == "FAILED"
+
+
+@dataclass(frozen=True)
+class FailedCase:
+    name: str
+    state: str
+    child: str  # "killed": a stage run left RUNNING; "finished": every stage run finished
+    listed: str  # what "Failed stages:" must list
+
+
+FAILED_CASES = [
+    FailedCase("a stage killed with its step", "FAILED", "killed", "- train (KILLED): still"),
+    FailedCase("no stage failed (the driver did)", "FAILED", "finished", f"- {NO_STAGE}"),
+    FailedCase("a stopped run's DAG left RUNNING", "RUNNING", "finished", f"- {NO_STAGE}"),
+]
+
+
+@pytest.mark.parametrize("case", FAILED_CASES, ids=lambda c: c.name)
+def test_failed_stages_is_never_empty_when_the_run_failed(
+    runs: dict[str, Any], case: FailedCase
+) -> None:
+    from kubellm.tracking import TAG_KFP_RUN, TAG_PARENT, TAG_STAGE
+
+    run = f"failed-{FAILED_CASES.index(case)}"
+    tracker, parent = _tracked_run(runs, run)
+    if case.child == "killed":
+        tags = {TAG_PARENT: parent, TAG_KFP_RUN: run, TAG_STAGE: "train"}
+        tracker.client.create_run(tracker.experiment_id, run_name="train", tags=tags)
+    else:
+        with tracker.stage(parent, "preflight"):
+            pass
+    report = summarize.run(runs, run, case.state).report
+    assert report.splitlines()[0] == f"# kubellm run {run}: FAILED"
+    listed = report.split("\nFailed stages:\n", 1)[1]
+    assert listed.startswith(case.listed), report
+    assert tracker.client.get_run(parent).data.tags["kubellm.error"] != ""
+
+
+def test_without_a_parent_a_failed_run_still_says_why(runs: dict[str, Any]) -> None:
+    report = summarize.run(runs, "refused", "FAILED").report
+    assert "No MLflow parent run was found" in report
+    assert f"Failed stages:\n- {NO_STAGE}" in report

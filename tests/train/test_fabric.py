@@ -6,8 +6,10 @@ follows); the real runs use gloo on CPU under torchrun.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -20,12 +22,17 @@ from kubellm.train.fabric import (
     EXIT_LOW_BUSBW,
     EXIT_NO_RDMA,
     FabricResult,
+    Memlock,
     NcclTransport,
     allreduce_bandwidth,
     check,
+    lowest_memlock,
+    memlock_failure,
+    memlock_size,
     nccl_debug_env,
     nccl_debug_path,
     parse_nccl_log,
+    read_memlock,
 )
 from kubellm.train.metric_lines import parse_metrics
 
@@ -301,7 +308,21 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _start_torchrun(*args: str) -> subprocess.Popen[str]:
+LOW_MEMLOCK = 64 * 1024  # Docker's old default, and the kernel's before Linux 5.16
+
+
+def _low_memlock_without_ipc_lock() -> None:
+    """In the child before exec: the soft RLIMIT_MEMLOCK lowered to 64 KiB, and CAP_IPC_LOCK
+    out of the bounding set (PR_CAPBSET_DROP), so that even as root the exec'd process has
+    no effective IPC_LOCK, as a non-root container's process has none
+    (kubernetes/kubernetes#56374). Not root: no CAP_SETPCAP, the drop fails, and there was
+    no IPC_LOCK to lose."""
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (LOW_MEMLOCK, hard))
+    ctypes.CDLL(None, use_errno=True).prctl(24, 14, 0, 0, 0)  # PR_CAPBSET_DROP, CAP_IPC_LOCK
+
+
+def _start_torchrun(*args: str, low_memlock: bool = False) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     return subprocess.Popen(
         [*cmd, "-m", "kubellm.train.fabric", *args],
@@ -309,6 +330,7 @@ def _start_torchrun(*args: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        preexec_fn=_low_memlock_without_ipc_lock if low_memlock else None,
     )
 
 
@@ -318,6 +340,7 @@ def torchrun() -> dict[str, subprocess.CompletedProcess[str]]:
     started = {
         "pass": _start_torchrun(),
         "low-busbw": _start_torchrun("--min-busbw-gbps", "1e9", "--iters", "2"),
+        "low-memlock": _start_torchrun("--require-rdma", "--iters", "1", low_memlock=True),
     }
     done = {}
     for name, proc in started.items():
@@ -384,3 +407,138 @@ def test_main_returns_the_exit_code(
     assert parse_metrics(out)["allreduce_busbw_gbps"] == 0.0
     monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     assert fabric.main(["--mib", "0.25", "--iters", "2"]) == 0
+
+
+# -- the memlock limit -------------------------------------------------------------------------
+
+GIB = 2**30
+UNLIMITED = resource.RLIM_INFINITY
+
+
+def _memlock(soft: int, hard: int | None = None, **kw: object) -> Memlock:
+    kw.setdefault("host", "job-worker-0")
+    kw.setdefault("mem_total", 64 * GIB)
+    return Memlock(soft, soft if hard is None else hard, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("limit", "shown"),
+    [
+        (UNLIMITED, "unlimited"),
+        (8 * MIB, "8MiB"),
+        (64 * 1024, "64KiB"),
+        (GIB, "1GiB"),
+        (1000, "1000B"),
+    ],
+)
+def test_memlock_size_is_what_ulimit_means(limit: int, shown: str) -> None:
+    assert memlock_size(limit) == shown
+
+
+def test_low_memlock_fails_require_rdma_naming_the_figure_and_the_node_setting() -> None:
+    ib = parse_nccl_log(log("ib-2node.log"))
+    r = FabricResult("nccl", 16, 2, 256.0, 0.003, ib, _memlock(8 * MIB))
+    failure = check(r, require_rdma=True, min_busbw_gbps=0)
+    assert failure is not None and failure.code == EXIT_NO_RDMA
+    line = str(failure)
+    assert "\n" not in line
+    assert line.startswith(
+        "error: fabric: RDMA required but the locked-memory limit on job-worker-0 is 8MiB "
+        "(RLIMIT_MEMLOCK soft; hard 8MiB) and the process has no CAP_IPC_LOCK"
+    ), line
+    assert "kubernetes/kubernetes#56374" in line
+    for setting in ("LimitMEMLOCK=infinity", 'default_ulimits = ["memlock=-1:-1"]'):
+        assert setting in line
+    # without --require-rdma it is only reported
+    assert check(r, require_rdma=False, min_busbw_gbps=0) is None
+    assert "memlock_soft_kib=8192 memlock_hard_kib=8192" in r.metric_line()
+
+
+@pytest.mark.parametrize(
+    ("memlock", "why"),
+    [
+        (_memlock(UNLIMITED), "unlimited"),
+        (_memlock(8 * MIB, cap_ipc_lock=True), "CAP_IPC_LOCK: the kernel skips the limit"),
+        (_memlock(64 * GIB), "a limit of the node's RAM cannot bind"),
+    ],
+)
+def test_memlock_that_cannot_bind_passes(memlock: Memlock, why: str) -> None:
+    ib = parse_nccl_log(log("ib-2node.log"))
+    r = FabricResult("nccl", 16, 2, 256.0, 0.003, ib, memlock)
+    assert check(r, require_rdma=True, min_busbw_gbps=0) is None, why
+
+
+def test_memlock_matters_only_across_nodes_and_with_nccl() -> None:
+    one_node = parse_nccl_log(log("single-node.log"))
+    r = FabricResult("nccl", 4, 1, 256.0, 0.003, one_node, _memlock(64 * 1024))
+    assert check(r, require_rdma=True, min_busbw_gbps=0) is None  # no RDMA on one node
+    gloo = FabricResult("gloo", 2, 2, 4.0, 0.003, NcclTransport(), _memlock(64 * 1024))
+    failure = check(gloo, require_rdma=True, min_busbw_gbps=0)
+    assert failure is not None and "backend gloo talks TCP" in failure.message
+    assert memlock_failure(_memlock(64 * 1024), nodes=1) is None
+    assert memlock_failure(None, nodes=2) is None
+
+
+def test_the_lowest_binding_limit_is_the_one_reported() -> None:
+    ranks = [
+        _memlock(UNLIMITED, host="a"),
+        _memlock(8 * MIB, host="b", cap_ipc_lock=True),
+        _memlock(64 * 1024, host="c"),
+        _memlock(8 * MIB, host="d"),
+    ]
+    assert lowest_memlock(ranks) == ranks[2]
+    assert lowest_memlock(ranks[:2]) == ranks[0]  # none binds: any, for the report
+    assert lowest_memlock([]) is None
+    unlimited = FabricResult("nccl", 2, 1, 4.0, 0.003, memlock=ranks[0])
+    assert "memlock_soft_kib=-1 memlock_hard_kib=-1" in unlimited.metric_line()
+    assert parse_metrics(unlimited.metric_line())["memlock_soft_kib"] == -1.0
+
+
+def test_read_memlock_reads_the_effective_capabilities(tmp_path: Path) -> None:
+    """CapEff as /proc/<pid>/status prints it (hex); bit 14 is CAP_IPC_LOCK."""
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t0000000000004000\n")
+    assert read_memlock(str(status)).cap_ipc_lock is True
+    # kubernetes/kubernetes#56374: a non-root process with IPC_LOCK added
+    status.write_text("CapInh:\t0000000000004000\nCapEff:\t0000000000000000\n")
+    mine = read_memlock(str(status))
+    assert mine.cap_ipc_lock is False
+    assert (mine.soft, mine.hard) == resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    assert mine.host == socket.gethostname()
+
+
+def test_a_process_with_a_low_limit_reads_it_and_fails_with_rdma() -> None:
+    """A real process whose soft limit is 64 KiB and which has no effective IPC_LOCK."""
+    code = (
+        "from kubellm.train import fabric; m = fabric.read_memlock(); print(m.line()); "
+        "print(fabric.memlock_failure(m, nodes=2)); print(fabric.memlock_failure(m, nodes=1))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        preexec_fn=_low_memlock_without_ipc_lock,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line, failure, one_node = proc.stdout.splitlines()
+    assert line.startswith("fabric: memlock soft=64KiB hard=") and "cap_ipc_lock=no" in line
+    assert "locked-memory limit on" in failure and " is 64KiB (RLIMIT_MEMLOCK soft" in failure
+    assert one_node == "None"
+
+
+def test_torchrun_reports_the_memlock_limit_and_without_rdma_between_nodes_passes(
+    torchrun: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    """--require-rdma on one node: nothing goes over RDMA, so a low limit is only reported."""
+    proc = torchrun["low-memlock"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("fabric: memlock ")]
+    assert line.startswith("fabric: memlock soft=64KiB hard=") and "cap_ipc_lock=no" in line
+    assert parse_metrics(proc.stdout)["memlock_soft_kib"] == 64.0
+    assert "error:" not in proc.stderr
+    # the default run reports this machine's own limit
+    limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    want = -1.0 if limit == UNLIMITED else float(limit // 1024)
+    assert parse_metrics(torchrun["pass"].stdout)["memlock_soft_kib"] == want

@@ -85,6 +85,22 @@ class Backends:
 
         return InferenceServiceServer(namespace=self.cfg.namespace)
 
+    def release_run(self, champion: str | None) -> list[str]:
+        """The exit handler's cleanup on a cluster: delete the run's Katib Experiments (their
+        trials' jobs go with them), then its PyTorchJobs, then take what it deployed and
+        did not promote out of service (`Server.release_unpromoted`; `champion` as there).
+        Returns what was done, a line each.
+
+        It runs on a stopped run too, where the steps' own cleanup may have been cut short
+        (kubellm.backends.kubernetes.release). Locally nothing but the servers outlives a
+        step, and `server.release` stops those.
+        """
+        if self.local:
+            return []
+        ns, run = self.cfg.namespace, self.kfp_run_id
+        done = self.tuner.release(run, ns) + self.trainer.release(run, ns)
+        return done + self.server.release_unpromoted(run, champion)
+
     @cached_property
     def tracking(self) -> Tracking:
         uri = self.cfg.mlflow_tracking_uri

@@ -83,6 +83,16 @@ class Trainer(ABC):
     @abstractmethod
     def run(self, job: TrainJob) -> JobResult: ...
 
+    def release(self, run_tag: str, namespace: str) -> list[str]:
+        """End of pipeline run `run_tag` (its exit handler): delete the jobs it created that
+        are still there; returns what was done, a line each.
+
+        A stopped step's own cleanup is a best effort that the platform can cut short
+        (kubellm.backends.kubernetes.release says how); this one runs after every step has
+        ended. By default (local: a job is its step's child process) nothing.
+        """
+        return []
+
 
 # -- tuning --------------------------------------------------------------------------------
 
@@ -108,6 +118,11 @@ class Tuner(ABC):
 
     @abstractmethod
     def tune(self, request: TuneRequest) -> TuneResult: ...
+
+    def release(self, run_tag: str, namespace: str) -> list[str]:
+        """End of pipeline run `run_tag`: delete its searches (and so their trials) that
+        are still there; as Trainer.release. By default (local: in-process) nothing."""
+        return []
 
 
 # -- serving -------------------------------------------------------------------------------
@@ -187,6 +202,19 @@ class Server(ABC):
         A cluster deployment outlives its run (it is the product), so by default nothing.
         """
         return 0
+
+    def release_unpromoted(self, run_tag: str, champion: str | None) -> list[str]:
+        """End of pipeline run `run_tag`: what it deployed and did not promote stops
+        serving; returns what was done, a line each.
+
+        `champion` is the registered version the `champion` alias points at ("" when none;
+        None when the registry could not say). A deployment of the champion is never
+        touched; a canary of the run gives its traffic back to the revision beside it; any
+        other deployment of the run is rolled back, or deleted when nothing served before
+        it. With the champion unknown, only deployments that serve nothing are deleted.
+        By default (local: `release` stops every server of the run) nothing.
+        """
+        return []
 
 
 # -- files ---------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ def heldout_loss(model: Any, dataset_dir: str | Path, batch_size: int = 64) -> f
     val = load_split(str(dataset_dir), "val")
     total, count = 0.0, 0
     for start in range(0, val.shape[1], batch_size):
-        x, y = val[:, start : start + batch_size].long()
+        x, y = val[:, start : start + batch_size].long().to(model.device)
         targets = int((y[:, 1:] != IGNORE_INDEX).sum())  # causal LMs predict token t+1
         if targets:
             total += float(model(input_ids=x, labels=y).loss) * targets
@@ -62,7 +62,8 @@ def evaluate(
 ) -> dict[str, Any]:
     """Metrics and the predictions on prompt/answer examples (the smoke test compares with
     them): `examples` (a user task) or else the dataset's held-out ones."""
-    model, tokenizer = load_model(model_dir)
+    # a GPU when the step has one (evaluate_gpus), else the CPU
+    model, tokenizer = load_model(model_dir, device="cuda" if torch.cuda.is_available() else None)
     loss = heldout_loss(model, dataset_dir)
     metrics: dict[str, Any] = {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
     scored = True

@@ -21,9 +21,12 @@ from kubellm.data.tokenizer import load_tokenizer
 from kubellm.serve.layout import model_paths
 
 
-def load_model(model_dir: str | Path, trust_remote_code: bool = False) -> tuple[Any, Any]:
+def load_model(
+    model_dir: str | Path, trust_remote_code: bool = False, device: str | None = None
+) -> tuple[Any, Any]:
     """Load a model directory (safetensors only) and its tokenizer, eval mode: a Hugging Face
-    directory or a registered MLflow transformers model (kubellm.serve.layout)."""
+    directory or a registered MLflow transformers model (kubellm.serve.layout); on `device`
+    when given (callers here pass their tensors on `model.device`)."""
     weights, tokenizer = model_paths(model_dir)
     if not (weights / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a model directory: config.json is missing")
@@ -31,6 +34,8 @@ def load_model(model_dir: str | Path, trust_remote_code: bool = False) -> tuple[
         str(weights), use_safetensors=True, trust_remote_code=trust_remote_code
     )
     model.eval()
+    if device is not None:
+        model.to(torch.device(device))  # type: ignore[arg-type]  # transformers stubs
     return model, load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
 
 
@@ -62,7 +67,7 @@ def complete(
             chunk = members[start : start + batch_size]
             if length == 0:
                 continue
-            x = torch.tensor([encoded[i] for i in chunk], dtype=torch.long)
+            x = torch.tensor([encoded[i] for i in chunk], dtype=torch.long, device=model.device)
             gen = _greedy(model, tokenizer, x, max_new_tokens)
             texts = tokenizer.batch_decode(gen[:, length:], skip_special_tokens=True)
             for i, text in zip(chunk, texts, strict=True):
@@ -86,7 +91,7 @@ def greedy_with_margins(
         if not ids:
             out.append(("", math.inf))
             continue
-        x = torch.tensor([ids], dtype=torch.long)
+        x = torch.tensor([ids], dtype=torch.long, device=model.device)
         gen = _greedy(
             model, tokenizer, x, max_new_tokens, output_logits=True, return_dict_in_generate=True
         )

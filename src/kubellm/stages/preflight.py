@@ -37,6 +37,11 @@ def fabric_args(cfg: PipelineConfig) -> list[str]:
     return args
 
 
+def _kib(value: float | None) -> str:
+    """A memlock_*_kib metric as `ulimit -l` prints it."""
+    return "not reported" if value is None else "unlimited" if value < 0 else f"{value:g}"
+
+
 def fabric_job(plan: JobPlan) -> TrainJob:
     """The all-reduce check, with the training topology, on the training launcher."""
     return plan.job("fabric", fabric_args(plan.cfg), module="kubellm.train.fabric", timeout_s=900.0)
@@ -59,7 +64,8 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
         if cfg.eval_data:
             load_task(cfg.eval_data)  # read in full: a bad line fails here, not after training
         job = ctx.backends.trainer.run(fabric_job(ctx.plan))
-        metrics = {k: v for k, v in job.metrics.items() if k.startswith("allreduce")}
+        fabric_metrics = ("allreduce", "memlock")  # memlock_*_kib: -1 is unlimited
+        metrics = {k: v for k, v in job.metrics.items() if k.startswith(fabric_metrics)}
         tracker.log(
             run_id,
             metrics=metrics,
@@ -79,6 +85,7 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
                     ("processes", f"{cfg.num_nodes} x {cfg.nproc_per_node}"),
                     ("fabric", cfg.fabric),
                     ("all-reduce busbw (GB/s)", busbw),
+                    ("memlock (KiB, lowest rank)", _kib(metrics.get("memlock_soft_kib"))),
                 ],
             ),
             headline=f"config valid; all-reduce {busbw:.3g} GB/s; MLflow parent run {parent}",

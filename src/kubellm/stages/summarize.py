@@ -2,6 +2,16 @@
 
 It runs whether the pipeline succeeded or failed, so it reads everything from MLflow (the
 only place every stage wrote to) rather than from task outputs.
+
+The state it is handed is the backend's word, and the backends say it differently: kfp.local
+says `SUCCEEDED`/`FAILED`; the KFP backend hands the exit handler the MLMD execution's raw
+state (kubeflow/pipelines backend/src/v2/driver/resolve.go at 2.17.0:
+`State: producer.GetExecution().GetLastKnownState().String()`), `COMPLETE` or `FAILED` for
+the exit handler's DAG (metadata/client.go `UpdateDAGExecutionsState`), and never fills the
+error (`Error: &status.Status{}`, "TODO: Implement fields Message and Code"). So success is
+either word, the summary and the MLflow parent say SUCCEEDED or FAILED, the raw state is
+kept in the tag `kubellm.backend_state`, and the error text comes from the stage runs when
+the backend gives none.
 """
 
 from __future__ import annotations
@@ -10,10 +20,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubellm import backends
-from kubellm.config import pipeline_config
+from kubellm.config import PipelineConfig, pipeline_config
 from kubellm.stages.context import StageResult, fmt, open_tracker
 from kubellm.stages.record_data import TAG_UNCHANGED
 from kubellm.tracking import TAG_FINGERPRINT, TAG_STAGE, Tracker
+
+# What each backend calls success (see the module docstring).
+SUCCESS_STATES = frozenset({"SUCCEEDED", "COMPLETE"})
+SUCCEEDED, FAILED = "SUCCEEDED", "FAILED"
+# MLflow statuses of a stage run that did not finish: FAILED (the stage raised) and KILLED
+# (its step died with the run still open; kill_running_children marks those).
+_UNFINISHED = ("FAILED", "KILLED")
+NO_STAGE_ERROR = (
+    "no stage recorded an error: a step failed before or outside its stage (its pod was "
+    "refused, evicted or killed, or the KFP driver or launcher failed); read that step's log"
+)
 
 
 @dataclass
@@ -21,14 +42,54 @@ class Result(StageResult):
     state: str = ""
 
 
+def outcome(state: str) -> str:
+    """SUCCEEDED for what the backend calls success, FAILED for anything else (FAILED,
+    CANCELED, a DAG left RUNNING by a stopped run)."""
+    return SUCCEEDED if state.strip() in SUCCESS_STATES else FAILED
+
+
+def stage_failures(runs: list[Any]) -> list[tuple[str, str]]:
+    """(stage label, error) of every stage run that did not finish, in run order."""
+    out = []
+    for run in runs:
+        if run.info.status in _UNFINISHED:
+            stage = str(run.data.tags.get(TAG_STAGE, run.info.run_id))
+            label = stage if run.info.status == "FAILED" else f"{stage} (KILLED)"
+            error = run.data.tags.get("kubellm.error", "") or "(no error recorded)"
+            out.append((label, error))
+    return out
+
+
+def failure_reason(failures: list[tuple[str, str]], error: str) -> str:
+    """The error text of a failed run: the stage runs' (with the backend's, when it gave
+    one), else the backend's, else why there is none."""
+    text = "; ".join(f"{stage}: {err}" for stage, err in failures)
+    if text and error:
+        return f"{text} (backend: {error})"
+    return text or error or NO_STAGE_ERROR
+
+
 def build_summary(
-    tracker: Tracker, parent: str | None, state: str, ui_cmd: str, model_name: str
+    tracker: Tracker,
+    parent: str | None,
+    state: str,
+    ui_cmd: str,
+    model_name: str,
+    error: str = "",
 ) -> str:
-    lines = [f"# kubellm run {tracker.kfp_run_id}: {state}", ""]
+    """The run's Markdown summary. `state` is the backend's raw state; the header says
+    SUCCEEDED or FAILED, and a failed run always lists why under "Failed stages:"."""
+    result = outcome(state)
+    lines = [f"# kubellm run {tracker.kfp_run_id}: {result}", ""]
+    if result == FAILED and state.strip() != FAILED:  # CANCELED, a DAG left RUNNING, ...
+        lines += [f"The pipeline backend reported the state `{state}`.", ""]
     if parent is None:
         lines.append("No MLflow parent run was found (preflight did not get that far).")
+        if result == FAILED:
+            lines += ["", "Failed stages:", f"- {failure_reason([], error)}"]
         return "\n".join(lines) + "\n"
-    runs = {r.data.tags.get(TAG_STAGE): r for r in tracker.children(parent)}
+    children = tracker.children(parent)
+    runs = {r.data.tags.get(TAG_STAGE): r for r in children}
 
     def metric(stage: str, key: str) -> Any:
         run = runs.get(stage)
@@ -112,35 +173,63 @@ def build_summary(
         if "training skipped" in unchanged:
             lines += [unchanged[0].upper() + unchanged[1:] + ".", ""]
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in table]
-    failed = [
-        f"- {stage}: {run.data.tags.get('kubellm.error', '')}"
-        for stage, run in runs.items()
-        if run.info.status == "FAILED"
-    ]
+    failed = [f"- {stage}: {err}" for stage, err in stage_failures(children)]
+    if result == FAILED and not failed:
+        failed = [f"- {failure_reason([], error)}"]
     if failed:
         lines += ["", "Failed stages:", *failed]
     lines += ["", f"MLflow parent run: `{parent}`", f"Open the MLflow UI: `{ui_cmd}`"]
     return "\n".join(lines) + "\n"
 
 
+def champion_version(cfg: PipelineConfig) -> str | None:
+    """The version the registry's `champion` alias points at: "" when there is none (no
+    model, no alias), None when the registry cannot say (the cleanup then keeps every
+    deployment that serves: it may be the champion's)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from kubellm.tracking import CHAMPION, check_reachable
+
+    try:
+        check_reachable(cfg.mlflow_tracking_uri)
+        client = MlflowClient(cfg.mlflow_tracking_uri)
+        return str(client.get_model_version_by_alias(cfg.model_name, CHAMPION).version)
+    except MlflowException as e:
+        missing = e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+        return "" if missing and "not found" in str(e) else None
+    except Exception:  # unreachable (TrackingUnavailable), refused, ...: unknown
+        return None
+
+
 def run(params: dict[str, Any], kfp_run_id: str, state: str, error: str = "") -> Result:
     """`params`: the pipeline parameters the exit handler gets (it has no preflight output:
-    preflight may be what failed)."""
+    preflight may be what failed). `state` and `error`: the PipelineTaskFinalStatus the
+    backend handed the exit handler, as it gave them (see the module docstring)."""
+    result = outcome(state)
     cfg = backends.resolve(pipeline_config(params))
     chosen = backends.select(cfg, kfp_run_id)
     released = chosen.server.release(kfp_run_id)
     if released:
         print(f"summary: stopped {released} local model server(s)", flush=True)
+    # A cluster's jobs, experiments and unpromoted deployments of the run, before MLflow
+    # (which may be what failed): kubellm.backends.kubernetes.release says why here.
+    for line in chosen.release_run(champion_version(cfg)):
+        print(f"summary: {line}", flush=True)
     tracker = open_tracker(cfg, kfp_run_id)
     parent = tracker.find_parent()
     if parent is not None:
         killed = tracker.kill_running_children(
-            parent, f"still RUNNING when the pipeline ended {state}: its step was killed"
+            parent, f"still RUNNING when the pipeline ended {result}: its step was killed"
         )
         if killed:
             print(f"summary: marked KILLED in MLflow: {', '.join(killed)}", flush=True)
-        tracker.log(parent, tags={"kubellm.state": state, "kubellm.error": error[:4000]})
-        tracker.finish_parent(parent, state == "SUCCEEDED")
-    text = build_summary(tracker, parent, state, chosen.tracking.ui_hint, cfg.model_name)
+        reason = ""
+        if result == FAILED:
+            reason = failure_reason(stage_failures(tracker.children(parent)), error)
+        tags = {"kubellm.state": result, "kubellm.backend_state": state, "kubellm.error": reason}
+        tracker.log(parent, tags={k: v[:4000] for k, v in tags.items()})
+        tracker.finish_parent(parent, result == SUCCEEDED)
+    text = build_summary(tracker, parent, state, chosen.tracking.ui_hint, cfg.model_name, error)
     print(text, flush=True)
-    return Result(report=text, headline=state, state=state)
+    return Result(report=text, headline=result, state=result)

@@ -21,6 +21,12 @@ Same arguments as torchrun (it is torchrun, run in this process). Three things d
                           told to stop (SIGTERM / SIGUSR1): retried, resumes the checkpoint
     1                     anything else (a crash): not retried
 
+With KUBELLM_LOG_DIR set (a Katib trial's pods; backends/kubernetes/katib.py) everything
+printed in the container, by the agent and its workers, is also appended to
+`$KUBELLM_LOG_DIR/$KUBELLM_POD_NAME.log` (train/tee.py): under Katib's StdOut collector the
+container's own log is empty. SIGTERM reaches the agent from its parent shell there (the
+trial's `sh -c` traps it and passes it on), and is handled as above.
+
 Usage (what the PyTorchJob's pods and the local trainer run):
 
     python -m kubellm.train.agent --standalone --nproc_per_node=2 -m kubellm.train ARGS
@@ -28,6 +34,7 @@ Usage (what the PyTorchJob's pods and the local trainer run):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -37,6 +44,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from kubellm.train.preempt import EXIT_PREEMPTED
+from kubellm.train.tee import Tee, log_path
 
 _HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # Worker exit codes that name a permanent failure; passed on as they are (1-127 are not
@@ -55,6 +63,12 @@ def exit_code(failure_codes: list[int], first: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    path = log_path()
+    with Tee(path) if path is not None else contextlib.nullcontext():
+        return _launch(argv)
+
+
+def _launch(argv: list[str] | None) -> int:
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", _HANDLED)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:

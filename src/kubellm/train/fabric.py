@@ -6,11 +6,12 @@ PyTorchJob with NCCL on GPUs on the cluster) before training starts:
     torchrun --standalone --nproc_per_node=2 -m kubellm.train.fabric
     torchrun ... -m kubellm.train.fabric --require-rdma --min-busbw-gbps 40
 
-Rank 0 prints two lines on stdout, the second one a metric line (`metric_lines.py`):
+Rank 0 prints three lines on stdout, the last one a metric line (`metric_lines.py`):
 
     fabric: backend=nccl transport=IB gdr=yes world_size=16 nodes=2
+    fabric: memlock soft=unlimited hard=unlimited cap_ipc_lock=no host=job-worker-0
     allreduce_busbw_gbps=181.2 allreduce_algbw_gbps=96.64 allreduce_ms=2.778 \
-allreduce_mib=256 world_size=16
+allreduce_mib=256 world_size=16 memlock_soft_kib=-1 memlock_hard_kib=-1
 
 Bandwidth is measured the nccl-tests way (doc/PERFORMANCE.md in NVIDIA/nccl-tests): the
 mean time of `--iters` all-reduces of `--mib` MiB after `--warmup` untimed ones, taken
@@ -25,11 +26,20 @@ connection lines `Channel 00/0 : 0[0] -> 8[0] [send] via NET/IB/0/GDRDMA`
 such as `NET/IB` proves nothing: NCCL's socket fallback logs `NET/IB : No device found.`
 A run whose channels are all P2P/SHM never touched the network (transport `intra-node`).
 
+The locked-memory limit is every rank's RLIMIT_MEMLOCK (soft and hard; the metrics give
+KiB as `ulimit -l` does, -1 for unlimited, RLIM_INFINITY as `resource` reports it), the
+lowest one reported. RDMA memory registration pins pages against the soft limit unless the
+process has CAP_IPC_LOCK (ib_umem_get in the kernel's drivers/infiniband/core/umem.c), and a
+non-root container does not get the IPC_LOCK its securityContext adds: without ambient
+capabilities it lands in the bounding set only (kubernetes/kubernetes#56374; our images run
+as uid 10001). So the node's container-runtime limit decides, and with --require-rdma across
+nodes anything short of unlimited fails before NCCL starts (see `memlock_failure`).
+
 Exit codes (every rank exits with the same code; rank 0 prints the one-line error):
 
     0  passed
     3  --require-rdma, and NCCL moved inter-node traffic over TCP sockets (or its log does
-       not show which transport it used)
+       not show which transport it used), or a rank's memlock limit is too low for RDMA
     4  --min-busbw-gbps X, and the measured busbw is below X
 
 Under torchrun the launcher itself exits 1 when a worker fails; its failure report shows
@@ -41,6 +51,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import socket
 import sys
 import tempfile
@@ -66,6 +77,19 @@ RDMA_FIX = (
     "Multus RDMA network (network_annotation, k8s.v1.cni.cncf.io/networks); "
     "see manifests/overlays/rdma/README.md"
 )
+
+# The node settings that raise the memlock limit of every container on the node: the
+# runtime's own limit, which its containers inherit (containerd's unit sets none, so the
+# node's default for services applies: 8 MiB on current kernels and systemd, 64 KiB on older
+# ones), or CRI-O's per-container default (containerd/containerd containerd.service @v2.1.0;
+# cri-o's crio.conf `default_ulimits`).
+MEMLOCK_FIX = (
+    "set the container runtime's memlock limit to unlimited on the GPU nodes and restart it: "
+    "containerd: LimitMEMLOCK=infinity in a drop-in for containerd.service, CRI-O: "
+    'default_ulimits = ["memlock=-1:-1"] in crio.conf ([crio.runtime]); '
+    "see manifests/README.md, 'RDMA nodes: the memlock limit'"
+)
+CAP_IPC_LOCK = 14  # linux/capability.h
 
 # -- NCCL's INFO log ------------------------------------------------------------------------
 # Every INFO line starts "<host>:<pid>:<tid> [<cudaDev>] NCCL INFO " (src/debug.cc); launchers
@@ -221,6 +245,92 @@ def allreduce_bandwidth(nbytes: int, seconds: float, world_size: int) -> tuple[f
 
 
 @dataclass(frozen=True)
+class Memlock:
+    """One rank's locked-memory limit: RLIMIT_MEMLOCK soft and hard, in bytes, with
+    `resource.RLIM_INFINITY` for unlimited; whether CAP_IPC_LOCK is in its effective set
+    (then the kernel does not apply the limit to RDMA registration); and the RAM of its
+    node (a limit that large cannot bind either)."""
+
+    soft: int
+    hard: int
+    cap_ipc_lock: bool = False
+    host: str = ""
+    mem_total: int = 0  # bytes of RAM (/proc/meminfo MemTotal); 0 when unknown
+
+    @property
+    def binds(self) -> bool:
+        """Whether the soft limit can stop RDMA from pinning memory."""
+        if self.cap_ipc_lock or self.soft == resource.RLIM_INFINITY:
+            return False
+        return not (self.mem_total and self.soft >= self.mem_total)
+
+    def line(self) -> str:
+        return (
+            f"fabric: memlock soft={memlock_size(self.soft)} hard={memlock_size(self.hard)} "
+            f"cap_ipc_lock={'yes' if self.cap_ipc_lock else 'no'} host={self.host or '?'}"
+        )
+
+    def metrics(self) -> str:
+        return f"memlock_soft_kib={_kib(self.soft)} memlock_hard_kib={_kib(self.hard)}"
+
+
+def memlock_size(limit: int) -> str:
+    """A limit as `ulimit -l` would mean it: `unlimited`, `8MiB`, `64KiB`, `1000B`."""
+    if limit == resource.RLIM_INFINITY:
+        return "unlimited"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if limit >= size and limit % size == 0:
+            return f"{limit // size}{unit}"
+    return f"{limit}B"
+
+
+def _kib(limit: int) -> int:
+    return -1 if limit == resource.RLIM_INFINITY else limit // 1024
+
+
+def read_memlock(status_path: str = "/proc/self/status") -> Memlock:
+    """This process's RLIMIT_MEMLOCK and whether CAP_IPC_LOCK is effective (`CapEff` of
+    /proc/self/status; absent off Linux: not effective)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    cap = False
+    for line in _read_lines(status_path):
+        if line.startswith("CapEff:"):
+            cap = bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    mem_total = 0
+    for line in _read_lines("/proc/meminfo"):
+        if line.startswith("MemTotal:"):
+            mem_total = int(line.split()[1]) * 1024
+    return Memlock(soft, hard, cap, socket.gethostname(), mem_total)
+
+
+def lowest_memlock(limits: Iterable[Memlock]) -> Memlock | None:
+    """The rank whose limit binds first: the lowest soft limit that binds, else any."""
+    limits = list(limits)
+    binding = [m for m in limits if m.binds]
+    return min(binding, key=lambda m: m.soft) if binding else (limits[0] if limits else None)
+
+
+def memlock_failure(memlock: Memlock | None, nodes: int) -> str | None:
+    """Why `memlock` is too low for NCCL's RDMA registration across `nodes`, or None.
+
+    The threshold is unlimited (or CAP_IPC_LOCK, or a limit of at least the node's RAM): what
+    NCCL's troubleshooting guide asks of containers (`--ulimit memlock=-1`). NCCL pins its
+    network buffers (NCCL_BUFFSIZE, 4 MiB, per channel and peer) and any registered user
+    buffers, so what it needs grows with the job; 8 MiB, today's default, already fails
+    with "ibv_reg_mr ... Cannot allocate memory" (NVIDIA/nccl-tests#206). One node: no RDMA.
+    """
+    if memlock is None or nodes <= 1 or not memlock.binds:
+        return None
+    return (
+        f"RDMA required but the locked-memory limit on {memlock.host or 'a node'} is "
+        f"{memlock_size(memlock.soft)} (RLIMIT_MEMLOCK soft; hard "
+        f"{memlock_size(memlock.hard)}) and the process has no CAP_IPC_LOCK (a non-root "
+        "container gets none from securityContext capabilities.add: kubernetes/kubernetes"
+        "#56374): NCCL's RDMA memory registration needs it unlimited; " + MEMLOCK_FIX
+    )
+
+
+@dataclass(frozen=True)
 class FabricResult:
     """One fabric check: what was measured and which transport carried it."""
 
@@ -230,6 +340,7 @@ class FabricResult:
     mib: float  # message size per rank
     seconds: float  # slowest rank's mean time per all-reduce
     transport: NcclTransport = field(default_factory=NcclTransport)
+    memlock: Memlock | None = None  # the lowest rank's limit (see `lowest_memlock`)
 
     @property
     def nbytes(self) -> int:
@@ -261,12 +372,13 @@ class FabricResult:
         )
 
     def metric_line(self) -> str:
-        return (
+        line = (
             f"allreduce_busbw_gbps={self.busbw_gbps:.4f} "
             f"allreduce_algbw_gbps={self.algbw_gbps:.4f} "
             f"allreduce_ms={self.seconds * 1e3:.4f} allreduce_mib={self.mib:g} "
             f"world_size={self.world_size}"
         )
+        return f"{line} {self.memlock.metrics()}" if self.memlock else line
 
 
 @dataclass(frozen=True)
@@ -319,7 +431,12 @@ def busbw_failure(result: FabricResult, min_busbw_gbps: float) -> str | None:
 
 def check(result: FabricResult, require_rdma: bool, min_busbw_gbps: float) -> Failure | None:
     """The verdict: the RDMA requirement first (a socket fallback also explains low
-    bandwidth), then the bandwidth threshold."""
+    bandwidth; the memlock limit before the transport, as it is the cause), then the
+    bandwidth threshold."""
+    if require_rdma and result.backend == "nccl":
+        nodes = 1 if result.single_node_without_network else max(result.nodes, 2)
+        if message := memlock_failure(result.memlock, nodes):
+            return Failure(EXIT_NO_RDMA, message)
     if require_rdma and (message := rdma_failure(result)):
         return Failure(EXIT_NO_RDMA, message)
     if message := busbw_failure(result, min_busbw_gbps):
@@ -450,6 +567,19 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(backend)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
+        # Every rank's memlock limit, before NCCL's first collective registers memory (and
+        # fails in its own words when the limit is low): gathered over gloo, which pins none.
+        meta = dist.new_group(backend="gloo") if backend != "gloo" else None
+        limits: list[Memlock | None] = [None] * world
+        dist.all_gather_object(limits, read_memlock(), group=meta)
+        memlock = lowest_memlock(m for m in limits if m is not None)
+        nodes = len({m.host for m in limits if m is not None})
+        too_low = memlock_failure(memlock, nodes) if backend == "nccl" else None
+        if args.require_rdma and too_low:  # the same list on every rank: the same verdict
+            if rank == 0 and memlock is not None:
+                print(memlock.line(), flush=True)
+                print(Failure(EXIT_NO_RDMA, too_low), file=sys.stderr, flush=True)
+            return EXIT_NO_RDMA
         x = torch.ones(_numel(mib), dtype=torch.float32, device=device)
         slowest = torch.tensor([_time_allreduce(x, warmup, iters)], dtype=torch.float64)
         slowest = slowest.to(device)
@@ -467,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             mib=mib,
             seconds=float(slowest.item()),
             transport=parse_nccl_log(ln for _, lines in ranks for ln in lines),
+            memlock=memlock,
         )
         failure = check(result, args.require_rdma, args.min_busbw_gbps)
         # One verdict for every rank: rank 0's (the inputs are the same everywhere anyway).
@@ -474,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.broadcast(code, src=0)
         if rank == 0:
             print(result.fabric_line(), flush=True)
+            if memlock is not None:
+                print(memlock.line(), flush=True)
             if args.require_rdma and result.single_node_without_network:
                 print(
                     "fabric: --require-rdma: one node, no inter-node traffic: no network to check",

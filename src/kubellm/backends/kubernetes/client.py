@@ -15,7 +15,11 @@ lifecycle serves them all (`KubeClient.run`):
 - stream the log of its pod(s) into the step's own stdout while it runs, and return the
   whole text (the trainer reads its metric lines from it);
 - delete it when the deadline passes, or when the step is stopped (SIGTERM from Argo when
-  a run is terminated; Ctrl-C), so nothing keeps running on the cluster unobserved.
+  a run is terminated; Ctrl-C), so nothing keeps running on the cluster unobserved; for a
+  job that waits in a queue (suspended until Kueue admits it), the deadline starts at its
+  admission, and a separate, generous bound (QUEUE_TIMEOUT_S) limits the wait;
+- watch its pods, when asked, for a bound its own controller does not keep, and delete it
+  when that is passed (the PyTorchJob's retries: pytorchjob.py `RetryCount`).
 
 Every request here is one the Role in manifests/base/rbac.yaml allows: create, get, list,
 watch and delete on the job kinds, get/list/watch on pods and get on pods/log (plus update,
@@ -51,6 +55,7 @@ from kubellm.backends.kubernetes.responses import (
     TRANSIENT,
     Lister,
     api_message,
+    interrupt,
     uid_of,
 )
 
@@ -77,6 +82,12 @@ LOG_TAIL_LINES = 20
 LOG_DRAIN_S = 5.0
 # A retried create meets an object that keeps coming back (another attempt creating it too).
 _CREATE_ATTEMPTS = 4
+# How long one wait in a queue may last (a job suspended until Kueue admits it, `queued` of
+# `KubeClient.run`) before the step deletes the job and fails: a generous bound, since a
+# shared cluster's queue can hold a job for hours; `timeout_s` starts only at admission.
+QUEUE_TIMEOUT_S = 24 * 3600.0
+# A monotonic time, or a callable that gives the current one (it moves at admission).
+Deadline = float | Callable[[], float]
 
 
 @dataclass(frozen=True)
@@ -273,6 +284,142 @@ def _print_line(line: str) -> None:
 
 
 @dataclass(frozen=True)
+class PodWatch:
+    """Pods that `KubeClient.run` watches besides the job, and what it makes of them.
+
+    `check(event_type, pod)` is called, on the watch's own thread, for every change of a pod
+    the label `selector` picks and the job controls (the pods of a listing come as
+    `LISTED`, then `ADDED`, `MODIFIED`, `DELETED`); it returns why the job must be stopped,
+    or None. With a reason, the run deletes the job and raises JobFailed quoting it: a bound
+    the job's own controller does not keep (the PyTorchJob retry count, pytorchjob.py).
+    """
+
+    selector: str
+    check: Callable[[str, dict[str, Any]], str | None]
+
+
+class _Clock:
+    """The deadline of a run whose job may wait in a queue (`KubeClient.run(queued=...)`).
+
+    `timeout_s` counts from admission: from the start for a job that is never queued, else
+    from the moment it is seen admitted, and anew after each re-admission (a job pre-empted
+    back into the queue), as the Training Operator's activeDeadlineSeconds does (it resets
+    startTime on resume: kubeflow/training-operator pkg/controller.v1/common/job.go#L171 at
+    v1.9.0). While the job waits, `queue_timeout_s` bounds that wait instead.
+    """
+
+    def __init__(self, timeout_s: float, queue_timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.queue_timeout_s = queue_timeout_s
+        self.at = time.monotonic() + timeout_s
+        self.queued_since: float | None = None
+        self.waited = False  # the job has been in a queue
+        self.why = ""
+
+    def __call__(self) -> float:
+        return self.at
+
+    def observe(self, why: str | None) -> str | None:
+        """The job is seen waiting in a queue (`why`) or admitted (None); the line to print
+        when that changes."""
+        now = time.monotonic()
+        if why is not None and self.queued_since is None:
+            self.queued_since, self.why, self.waited = now, why, True
+            self.at = now + self.queue_timeout_s
+            return (
+                f"waiting in a queue ({why}); the {self.timeout_s:g}s timeout starts when it "
+                f"is admitted (it may wait {self.queue_timeout_s:g}s)"
+            )
+        if why is None and self.queued_since is not None:
+            waited, self.queued_since = now - self.queued_since, None
+            self.at = now + self.timeout_s
+            return f"admitted after {waited:.0f}s in the queue; {self.timeout_s:g}s from now"
+        return None
+
+
+class _PodWatcher:
+    """Runs a PodWatch on its own thread; when its check gives a reason, stops the run's
+    watch of the job (`fired`, and the job watch's open stream is cut)."""
+
+    def __init__(
+        self,
+        kube: KubeClient,
+        namespace: str,
+        watch: PodWatch,
+        owner: CustomResource,
+        owner_uid: str | None,
+        say: Callable[[str], None],
+    ) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.watch = watch
+        self.owner_kind = owner.kind
+        self.owner_uid = owner_uid
+        self.say = say
+        self.reason: str | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._streams: dict[str, Any] = {}  # "pods" / "job": the open watch response of each
+        self._thread = threading.Thread(
+            target=self._run, name=f"pods:{watch.selector}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def fired(self) -> bool:
+        return self.reason is not None
+
+    def job_watch_opened(self, resp: Any) -> None:
+        self._opened("job", resp)
+
+    def _opened(self, which: str, resp: Any) -> None:
+        with self._lock:
+            self._streams[which] = resp
+        if self._stop.is_set():
+            interrupt(resp)
+
+    def _run(self) -> None:
+        lister = Lister(self.kube.core.list_namespaced_pod, (self.namespace,))
+        try:
+            for event in self.kube.events(
+                lister,
+                {"label_selector": self.watch.selector},
+                math.inf,
+                stopped=self._stop.is_set,
+                on_open=lambda resp: self._opened("pods", resp),
+            ):
+                listed = event.type == "LIST"
+                for pod in event.items if listed else (event.obj,):
+                    if not self._ours(pod):
+                        continue
+                    why = self.watch.check("LISTED" if listed else event.type, pod)
+                    if why is not None:
+                        self.reason = why
+                        self.close()
+                        return
+        except Exception as e:  # the job is still watched; only this bound is lost
+            self.say(f"watching pods {self.watch.selector} failed ({e}); not checked further")
+
+    def _ours(self, pod: dict[str, Any]) -> bool:
+        """False for a pod controlled by another incarnation of the job (on its way out)."""
+        for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
+            theirs = ref.get("controller") and ref.get("kind") == self.owner_kind
+            if theirs and self.owner_uid and ref.get("uid") != self.owner_uid:
+                return False
+        return True
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            streams = list(self._streams.values())
+        for resp in streams:
+            interrupt(resp)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(1.0)
+
+
+@dataclass(frozen=True)
 class _Event:
     """What `events` reports: a fresh listing (`LIST`, with `items`) or one watch event."""
 
@@ -285,7 +432,7 @@ class _Event:
 class _Verdict:
     """How waiting on an object ended."""
 
-    outcome: Literal["done", "failed", "deleted", "replaced", "timeout"]
+    outcome: Literal["done", "failed", "deleted", "replaced", "timeout", "aborted"]
     obj: dict[str, Any] | None
     state: str
     why: str = ""
@@ -521,6 +668,9 @@ class KubeClient:
         log_container: str | None = None,
         echo: Callable[[str], None] | None = None,
         replace_terminal: bool = True,
+        queued: Callable[[dict[str, Any]], str | None] | None = None,
+        queue_timeout_s: float = QUEUE_TIMEOUT_S,
+        pod_watch: PodWatch | None = None,
     ) -> RunOutcome:
         """Create (or adopt, or replace) the object of `body` and see it to `done`.
 
@@ -537,33 +687,56 @@ class KubeClient:
         - After `timeout_s` the object is deleted and JobTimeout raised. A SIGTERM (the
           pipeline was stopped) deletes it and raises JobStopped (exit code 143); Ctrl-C
           deletes it and re-raises KeyboardInterrupt.
+        - `queued` says why the object waits in a queue (e.g. suspended until Kueue admits
+          it), or None once it is admitted. With it, `timeout_s` starts at admission (anew
+          after each re-admission) and `queue_timeout_s` bounds each wait in the queue; the
+          wait and the admission are printed.
+        - `pod_watch` checks the job's pods as they change (PodWatch); when it gives a
+          reason, the object is deleted and JobFailed raised with it.
         - `echo` takes every line this prints (default: print to stdout, flushed).
         """
         say = echo or _print_line
         name = body["metadata"]["name"]
         ref = f"{res.kind.lower()}/{name}"
-        deadline = time.monotonic() + timeout_s
+        clock = _Clock(timeout_s, queue_timeout_s)
         body = prepare_body(body, namespace)
         logs: PodLogs | None = None
+        watcher: _PodWatcher | None = None
         with _sigterm_raises():
             try:
                 obj, adopted = self._start(
-                    res, namespace, body, done, failure, describe, deadline, say, replace_terminal
+                    res, namespace, body, done, failure, describe, clock.at, say, replace_terminal
                 )
                 uid = (obj.get("metadata") or {}).get("uid")
                 if follow_logs:
                     logs = PodLogs(self, namespace, follow_logs, log_container, say, res, uid)
                     logs.start()
+                if pod_watch:
+                    watcher = _PodWatcher(self, namespace, pod_watch, res, uid, say)
+                    watcher.start()
                 verdict = self._await(
-                    res, namespace, name, deadline, done, failure, describe, say, uid
+                    res,
+                    namespace,
+                    name,
+                    clock,
+                    done,
+                    failure,
+                    describe,
+                    say,
+                    uid,
+                    queued=queued and (lambda o: clock.observe(queued(o))),
+                    watcher=watcher,
                 )
-                drain = LOG_DRAIN_S if verdict.outcome in ("done", "failed") else 0.0
+                fate = ""
+                if verdict.outcome == "aborted":  # its pods go first: their logs end
+                    fate = self._delete_fate(res, namespace, name)
+                drain = LOG_DRAIN_S if verdict.outcome in ("done", "failed", "aborted") else 0.0
                 text = logs.close(drain) if logs else ""
                 if verdict.outcome == "done" and verdict.obj is not None:
                     error = logs.error(text) if logs else None
                     return RunOutcome(verdict.obj, text, adopted, error)
                 tail = logs.tail(LOG_TAIL_LINES) if logs else ""
-                raise self._verdict_error(res, namespace, name, timeout_s, verdict, tail)
+                raise self._verdict_error(res, namespace, name, clock, verdict, tail, fate)
             except _Terminated:  # delete first: Argo kills the step after its grace period
                 message = f"{ref} in {namespace}: the step was stopped (SIGTERM); "
                 message += self._delete_for_stop(res, namespace, name)
@@ -575,6 +748,8 @@ class KubeClient:
                 say(f"{ref} in {namespace}: interrupted; {fate}")
                 raise
             finally:
+                if watcher:
+                    watcher.close()
                 if logs:
                     logs.close(0.0)  # no-op when closed above; stops the threads otherwise
 
@@ -592,13 +767,13 @@ class KubeClient:
         """Watch an existing object until `done` or `failure` says so; on timeout delete it
         and raise JobTimeout. `run` without the create, the logs and the signal handling.
         """
-        deadline = time.monotonic() + timeout_s
+        clock = _Clock(timeout_s, timeout_s)
         verdict = self._await(
-            res, namespace, name, deadline, done, failure, describe, _print_line, None
+            res, namespace, name, clock, done, failure, describe, _print_line, None
         )
         if verdict.outcome == "done" and verdict.obj is not None:
             return verdict.obj
-        raise self._verdict_error(res, namespace, name, timeout_s, verdict, "")
+        raise self._verdict_error(res, namespace, name, clock, verdict, "")
 
     def _start(
         self,
@@ -675,32 +850,51 @@ class KubeClient:
         res: CustomResource,
         namespace: str,
         name: str,
-        deadline: float,
+        deadline: Deadline,
         done: Callable[[dict[str, Any]], bool],
         failure: Callable[[dict[str, Any]], str | None],
         describe: Callable[[dict[str, Any]], str],
         say: Callable[[str], None],
         uid: str | None,
+        *,
+        queued: Callable[[dict[str, Any]], str | None] | None = None,
+        watcher: _PodWatcher | None = None,
     ) -> _Verdict:
-        """Watch the object until `done`, `failure`, its deletion or the deadline."""
+        """Watch the object until `done`, `failure`, its deletion, the deadline or the pod
+        watcher's reason (`aborted`). `queued(obj)` moves the deadline and gives the line to
+        print when the job enters or leaves a queue."""
         ref = f"{res.kind.lower()}/{name}"
         shown: str | None = None
         last = "never read"
-        for obj in self.watch_object(res, namespace, name, deadline):
-            if obj is None:
-                return _Verdict("deleted", None, last)
-            if uid is not None and uid_of(obj) not in (None, uid):
-                return _Verdict("replaced", obj, last)
-            uid = uid or uid_of(obj)
-            last = describe(obj)
-            if last != shown:
-                say(f"{ref}: {last}")
-                shown = last
-            if done(obj):
-                return _Verdict("done", obj, last)
-            why = failure(obj)
-            if why is not None:
-                return _Verdict("failed", obj, last, why)
+        seen: dict[str, Any] | None = None
+        fired = watcher.fired if watcher else lambda: False
+        on_open = watcher.job_watch_opened if watcher else None
+        try:
+            for obj in self.watch_object(res, namespace, name, deadline, fired, on_open):
+                if obj is None:
+                    return _Verdict("deleted", None, last)
+                if uid is not None and uid_of(obj) not in (None, uid):
+                    return _Verdict("replaced", obj, last)
+                uid = uid or uid_of(obj)
+                seen = obj
+                last = describe(obj)
+                if last != shown:
+                    say(f"{ref}: {last}")
+                    shown = last
+                if queued and (line := queued(obj)):
+                    say(f"{ref}: {line}")
+                if done(obj):
+                    return _Verdict("done", obj, last)
+                why = failure(obj)
+                if why is not None:
+                    return _Verdict("failed", obj, last, why)
+                if fired():
+                    break
+        except Exception:  # the watcher cut the stream under the read: not an API error
+            if not fired():
+                raise
+        if watcher and watcher.reason:
+            return _Verdict("aborted", seen, last, watcher.reason)
         return _Verdict("timeout", None, last)
 
     def _verdict_error(
@@ -708,11 +902,15 @@ class KubeClient:
         res: CustomResource,
         namespace: str,
         name: str,
-        timeout_s: float,
+        clock: _Clock,
         verdict: _Verdict,
         tail: str,
+        fate: str = "",
     ) -> JobFailed:
         ref = f"{res.kind.lower()}/{name}"
+        if verdict.outcome == "aborted":
+            fate = fate or self._delete_fate(res, namespace, name)
+            return JobFailed(f"{ref} in {namespace}: {verdict.why}; {fate}{tail}")
         if verdict.outcome == "failed":
             return JobFailed(f"{ref} in {namespace} failed: {verdict.why}{tail}")
         if verdict.outcome == "deleted":
@@ -722,15 +920,25 @@ class KubeClient:
                 f"{ref} in {namespace} was replaced by another object of that name while "
                 f"waited on (is another run using the name?){tail}"
             )
-        try:
-            self.delete(res, namespace, name)
-            fate = "it has been deleted"
-        except Exception as e:  # the timeout is the news; say what is left behind
-            fate = f"deleting it failed ({e}); delete it by hand"
+        fate = self._delete_fate(res, namespace, name)
+        if clock.queued_since is not None:
+            return JobTimeout(
+                f"{ref} in {namespace} was not admitted within {clock.queue_timeout_s:g}s "
+                f"(waiting in a queue: {clock.why}; last state: {verdict.state}); {fate}{tail}"
+            )
+        since = " of being admitted" if clock.waited else ""
         return JobTimeout(
-            f"{ref} in {namespace} did not finish within {timeout_s:g}s "
+            f"{ref} in {namespace} did not finish within {clock.timeout_s:g}s{since} "
             f"(last state: {verdict.state}); {fate}{tail}"
         )
+
+    def _delete_fate(self, res: CustomResource, namespace: str, name: str) -> str:
+        """Delete the object; what became of it, for the error that follows."""
+        try:
+            self.delete(res, namespace, name)
+        except Exception as e:  # the failure is the news; say what is left behind
+            return f"deleting it failed ({e}); delete it by hand"
+        return "it has been deleted"
 
     def _delete_for_stop(self, res: CustomResource, namespace: str, name: str) -> str:
         try:
@@ -742,12 +950,23 @@ class KubeClient:
     # ------------------------------------------------------------------ watching
 
     def watch_object(
-        self, res: CustomResource, namespace: str, name: str, deadline: float
+        self,
+        res: CustomResource,
+        namespace: str,
+        name: str,
+        deadline: Deadline,
+        stopped: Callable[[], bool] = lambda: False,
+        on_open: Callable[[Any], None] | None = None,
     ) -> Iterator[dict[str, Any] | None]:
         """Each state of the object `name` as a watch (re-listed when it breaks) reports it,
-        until the deadline; None when it is deleted or missing, which ends the iteration."""
+        until the deadline or `stopped()`; None when it is deleted or missing, which ends
+        the iteration. `deadline` may be a callable, read anew at every step (it moves when
+        a queued job is admitted)."""
         selector = {"field_selector": f"metadata.name={name}"}
-        for event in self.events(self._list_custom(res, namespace), selector, deadline):
+        events = self.events(
+            self._list_custom(res, namespace), selector, deadline, stopped, on_open
+        )
+        for event in events:
             if event.type == "LIST":
                 found = [o for o in event.items if (o.get("metadata") or {}).get("name") == name]
                 if not found:
@@ -772,23 +991,25 @@ class KubeClient:
         self,
         lister: Lister,
         selector: dict[str, str],
-        deadline: float,
+        deadline: Deadline,
         stopped: Callable[[], bool] = lambda: False,
         on_open: Callable[[Any], None] | None = None,
     ) -> Iterator[_Event]:
-        """A listing, then every change after it, until the deadline or `stopped()`.
+        """A listing, then every change after it, until the deadline (a monotonic time, or a
+        callable giving the current one) or `stopped()`.
 
         The watch resumes from the last resourceVersion seen (event or bookmark) when its
         stream ends or the connection drops; after 410 Gone (that version was compacted
         away) it lists again, and the caller sees a fresh `LIST`. Transient errors (429,
         5xx, connection errors) are retried with backoff; others are raised.
         """
+        due = deadline if callable(deadline) else lambda: deadline
         version: str | None = None
         failures = 0
         expired = 0  # 410s since the last event: a server that keeps answering 410 is paced
         watcher = k8s_watch.Watch()
         while not stopped():
-            remaining = deadline - time.monotonic()
+            remaining = due() - time.monotonic()
             if remaining <= 0:
                 return
             try:
@@ -821,23 +1042,23 @@ class KubeClient:
                     failures = expired = 0
                     if raw.get("type") != "BOOKMARK":
                         yield _Event(str(raw.get("type")), obj)
-                    if stopped() or time.monotonic() >= deadline:
+                    if stopped() or time.monotonic() >= due():
                         return
             except ApiException as e:
                 if e.status == 410:  # compacted: list again, watch from there
                     version = None
                     expired += 1
                     if expired > 1:
-                        self.pause(expired - 1, deadline, stopped)
+                        self.pause(expired - 1, due(), stopped)
                     continue
                 if e.status not in TRANSIENT:
                     raise
                 failures += 1
-                self.pause(failures, deadline, stopped)
+                self.pause(failures, due(), stopped)
             except (OSError, urllib3.exceptions.HTTPError, json.JSONDecodeError):
                 # The connection dropped or timed out: resume from `version`.
                 failures += 1
-                self.pause(failures, deadline, stopped)
+                self.pause(failures, due(), stopped)
 
     def pause(
         self, failures: int, deadline: float, stopped: Callable[[], bool] = lambda: False

@@ -67,6 +67,7 @@ from kubellm.backends.kubernetes.client import (
     find_condition,
     to_dict,
 )
+from kubellm.backends.kubernetes.podspec import MANAGED_BY, RUN_LABEL, label_value
 from kubellm.backends.kubernetes.responses import TRANSIENT, api_message
 from kubellm.serve.client import Endpoint
 
@@ -236,8 +237,11 @@ def build_inferenceservice(request: ServeRequest, *, canary: bool = False) -> di
         automount_service_account_token=False,
     )
     annotations = {TAG_ROUTING_ANNOTATION: "true"}
+    labels = dict(MANAGED_BY)
     if request.run_tag:
         annotations[RUN_TAG_ANNOTATION] = request.run_tag
+        if value := label_value(request.run_tag):
+            labels[RUN_LABEL] = value  # `kubectl get isvc -l kubellm.dev/run=...`, as jobs
     if request.version:
         annotations[MODEL_VERSION_ANNOTATION] = request.version
     isvc = V1beta1InferenceService(
@@ -246,7 +250,7 @@ def build_inferenceservice(request: ServeRequest, *, canary: bool = False) -> di
         metadata=k8s.V1ObjectMeta(
             name=request.name,
             namespace=request.namespace,
-            labels={"app.kubernetes.io/managed-by": "kubellm"},
+            labels=labels,
             annotations=annotations,
         ),
         spec=V1beta1InferenceServiceSpec(predictor=predictor),
@@ -787,3 +791,58 @@ class InferenceServiceServer(Server):
             if why is not None:
                 return _Seen("failed", obj, state, why)
         return _Seen("timeout", last, state)
+
+    # ------------------------------------------------------------------ end of a run
+
+    def release_unpromoted(self, run_tag: str, champion: str | None) -> list[str]:
+        """Server.release_unpromoted for every InferenceService in `namespace` whose last
+        deployment was run `run_tag`'s (its kubellm/run-tag annotation; the run label
+        can be missing on one an older kubellm made):
+
+        - the champion's version (kubellm/model-version == `champion`) is kept as it is;
+        - a canary beside a serving revision gives its traffic back (`rollback`): it was
+          never promoted, the smoke test promotes before it names a champion;
+        - with the champion unknown (None), one that serves is kept: it may be the champion;
+        - any other is rolled back to the revision before it, or, when none served before
+          it (a first deployment that failed or was never promoted), deleted (`rollback`).
+        """
+        ns = self.namespace
+        selector = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
+        try:
+            items = self.kube.list(INFERENCESERVICE, ns, selector)
+        except ApiException as e:
+            if e.status == 404:  # KServe is not installed: nothing was deployed
+                return []
+            return [
+                f"inferenceservices in {ns} could not be listed (HTTP {e.status} "
+                f"{api_message(e)}); check those of run {run_tag} by hand"
+            ]
+        done = []
+        for obj in items:
+            meta = obj.get("metadata") or {}
+            if (meta.get("annotations") or {}).get(RUN_TAG_ANNOTATION) != run_tag:
+                continue
+            ref = f"inferenceservice/{meta.get('name')} in {ns}"
+            try:
+                said = self._release_one(obj, run_tag, champion)
+            except (JobFailed, ApiException) as e:
+                said = f"{ref}: {e}; check it by hand"
+            done.append(said if said.startswith("inferenceservice/") else f"{ref}: {said}")
+        return done
+
+    def _release_one(self, obj: dict[str, Any], run_tag: str, champion: str | None) -> str:
+        meta = obj["metadata"]
+        name = str(meta["name"])
+        ref = f"inferenceservice/{name} in {self.namespace}"
+        version = str((meta.get("annotations") or {}).get(MODEL_VERSION_ANNOTATION) or "")
+        serving = serving_revision(obj)
+        created = str(predictor_status(obj).get("latestCreatedRevision") or "")
+        canary = bool(serving) and created != serving
+        if champion is not None and version and version == champion:
+            return f"{ref} kept: it serves version {version}, the champion"
+        if champion is None and serving and not canary:
+            return (
+                f"{ref} kept: it serves revision {serving} and the model registry could not "
+                f"say whether version {version or '?'} is the champion"
+            )
+        return self.rollback(name, run_tag, self.namespace)

@@ -5,6 +5,25 @@ per search parameter; Katib substitutes the values and reads the objective from 
 `name=value` lines the trainer prints (its StdOut collector), so a trial is exactly a
 training run with overrides, as with the local optuna tuner.
 
+Katib's pod webhook rewrites the master pod's training container for its StdOut collector
+(pkg/webhook/v1beta1/pod/utils.go wrapWorkerContainer, v0.19.0): `sh -c "<command> 1>
+/var/log/katib/metrics.log 2>&1 && echo completed > /var/log/katib/$$$$.pid"` with
+`shareProcessNamespace: true`. Two things follow, and each trial container is built for them:
+
+- Its stdout, `kubectl logs` of the container, is empty: the output goes to the metrics
+  file (and, line by line, to the log of the sidecar `metrics-logger-and-collector`), and
+  Katib deletes the trial's job, pods and logs when the trial ends. So the agent also
+  appends its output, and its workers', to `<workspace>/katib/<experiment>/<pod>.log` on the
+  workspace PVC (KUBELLM_LOG_DIR; train/agent.py), and `tune` prints the last lines of each
+  failed trial's files.
+- On pod deletion the kubelet's SIGTERM reaches that `sh` only (the container's main
+  process), which dies of it, and the runtime then SIGKILLs the rest of the container
+  (containerd's shim, shared PID namespace): the trainer would get no chance to checkpoint.
+  So the container runs its own `sh -c` (TRIAL_SHELL): Katib keeps a command that starts
+  with `sh -c` and appends its redirection to it, and this shell traps SIGTERM, forwards it
+  to the agent and waits for the agent's checkpoint and exit (within the pod's
+  terminationGracePeriodSeconds).
+
 Example (a cluster with Katib and the Training Operator):
 
     KatibTuner().tune(TuneRequest(name="llm-tune", max_trials=8, parallel_trials=2,
@@ -17,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
+from pathlib import Path
 from typing import Any
 
 from kubeflow_katib_api.models import (
@@ -37,7 +58,14 @@ from kubeflow_katib_api.models import (
 )
 from kubernetes import client as k8s
 
-from kubellm.backends.base import KATIB_NAME_MAX, JobFailed, Tuner, TuneRequest, dns_name
+from kubellm.backends.base import (
+    KATIB_NAME_MAX,
+    JobFailed,
+    Tuner,
+    TuneRequest,
+    dns_name,
+    workspace_mount,
+)
 from kubellm.backends.kubernetes.client import (
     CustomResource,
     KubeClient,
@@ -50,6 +78,7 @@ from kubellm.backends.kubernetes.pytorchjob import (
     MASTER_ROLE_LABELS,
     pytorchjob_manifest,
 )
+from kubellm.train.tee import LOG_DIR_ENV, POD_NAME_ENV
 from kubellm.tune.search import (
     SearchParam,
     Trial,
@@ -66,6 +95,44 @@ EXPERIMENT_LABEL = "katib.kubeflow.org/experiment"
 # GJSON conditions on the trial's PyTorchJob (Katib's documented values for Kubeflow jobs).
 SUCCESS_CONDITION = 'status.conditions.#(type=="Succeeded")#|#(status=="True")#'
 FAILURE_CONDITION = 'status.conditions.#(type=="Failed")#|#(status=="True")#'
+# Katib's collector sidecar: under its StdOut collector the trial's output is in this
+# container's log (it prints each line of the metrics file), not in the training container's.
+COLLECTOR_CONTAINER = "metrics-logger-and-collector"
+LOG_TAIL_LINES = 20
+# The trial container's shell: `kubellm_trial CMD ARGS...` runs CMD in the background, and a
+# SIGTERM to this shell (the kubelet's, to the container's main process) is passed on to it;
+# `wait` returns early (>128) when the trap runs, so it waits again for CMD's own exit status.
+# A SIGTERM that comes before CMD starts is passed on as soon as it has. No `$(` and no `$$`:
+# the kubelet expands those in a container's command.
+TRIAL_SHELL = (
+    "kubellm_trial() { pid=; stop=; "
+    'trap \'stop=1; [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null\' TERM; '
+    '"$@" & pid=$!; [ -n "$stop" ] && kill -TERM "$pid" 2>/dev/null; '
+    'wait "$pid"; code=$?; '
+    'while [ "$code" -gt 128 ] && kill -0 "$pid" 2>/dev/null; do wait "$pid"; code=$?; done; '
+    'return "$code"; }; kubellm_trial'
+)
+
+
+def trial_log_dir(experiment: str) -> Path:
+    """Where the trials of `experiment` write their output on the workspace PVC: one
+    `<pod>.log` per trial pod (the same path in the step's pod and the trials')."""
+    return Path(workspace_mount()) / "katib" / experiment
+
+
+def wrap_trial_container(container: dict[str, Any], log_dir: Path | None) -> None:
+    """Run the container's command under TRIAL_SHELL, in place, and (with a workspace)
+    have the agent copy its output to `log_dir` (see the module docstring)."""
+    argv = [*(container.pop("command", None) or []), *(container.pop("args", None) or [])]
+    container["command"] = ["sh", "-c"]
+    container["args"] = [f"{TRIAL_SHELL} {shlex.join(argv)}"]
+    if log_dir is not None:
+        container.setdefault("env", []).extend(
+            [
+                {"name": LOG_DIR_ENV, "value": str(log_dir)},
+                {"name": POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            ]
+        )
 
 
 def placeholder(param: str) -> str:
@@ -110,6 +177,11 @@ def build_experiment(
     trial_spec = pytorchjob_manifest(trial_job, cluster)
     # Katib names each trial's job after the trial and puts it in the Experiment's namespace.
     trial_spec["metadata"] = {"labels": trial_spec["metadata"]["labels"]}
+    log_dir = trial_log_dir(name) if trial_job.workspace_pvc else None
+    for replica in trial_spec["spec"]["pytorchReplicaSpecs"].values():
+        for container in replica["template"]["spec"]["containers"]:
+            if container["name"] == CONTAINER:
+                wrap_trial_container(container, log_dir)
 
     max_failed = request.max_failed_trials
     if max_failed is None:
@@ -211,13 +283,19 @@ class KatibTuner(Tuner):
     def tune(self, request: TuneRequest) -> TuneResult:
         body = build_experiment(request, self.cluster)
         name, ns = body["metadata"]["name"], request.trial_job.namespace
-        exp = self.kube.run(
-            EXPERIMENT,
-            ns,
-            body,
-            timeout_s=request.timeout_s,
-            done=lambda obj: condition_is_true(obj, "Succeeded"),
-        ).obj
+        log_dir = trial_log_dir(name) if request.trial_job.workspace_pvc else None
+        try:
+            exp = self.kube.run(
+                EXPERIMENT,
+                ns,
+                body,
+                timeout_s=request.timeout_s,
+                done=lambda obj: condition_is_true(obj, "Succeeded"),
+            ).obj
+        except JobFailed:
+            self._print_failed_trials(ns, name, log_dir)
+            raise
+        self._print_failed_trials(ns, name, log_dir)
         optimal = (exp.get("status") or {}).get("currentOptimalTrial") or {}
         best_trial = optimal.get("bestTrialName") or ""
         best_value = _metric(optimal.get("observation"), request.objective)
@@ -225,7 +303,7 @@ class KatibTuner(Tuner):
             reason = (find_condition(exp, "Succeeded") or {}).get("reason", "")
             raise JobFailed(
                 f"experiment/{name} in {ns} finished ({reason}) without a trial that "
-                f"reported {request.objective}; check the trials' logs for metric lines"
+                f"reported {request.objective}; {where_trial_output_is(log_dir)}"
             )
         return TuneResult(
             best_params=_assignments(optimal.get("parameterAssignments")),
@@ -233,6 +311,35 @@ class KatibTuner(Tuner):
             best_trial=best_trial,
             trials=self._trials(ns, name, request.objective),
         )
+
+    def _print_failed_trials(self, ns: str, experiment: str, log_dir: Path | None) -> None:
+        """Each failed trial's reason and the last lines of its pods' output: Katib deletes
+        a finished trial's pods and logs, and its training container's log is empty."""
+        try:
+            trials = self.kube.list(TRIAL, ns, f"{EXPERIMENT_LABEL}={experiment}")
+        except Exception:  # best effort: the error being raised, if any, matters more
+            return
+        for obj in sorted(trials, key=lambda t: t["metadata"]["name"]):
+            failed = next(
+                (c for c in ("Failed", "MetricsUnavailable") if condition_is_true(obj, c)),
+                None,
+            )
+            if failed is None:
+                continue
+            trial = obj["metadata"]["name"]
+            cond = find_condition(obj, failed) or {}
+            print(
+                f"trial/{trial} {failed}: {cond.get('reason', '')}: {cond.get('message', '')}",
+                flush=True,
+            )
+            files = sorted(log_dir.glob(f"{trial}-*.log")) if log_dir else []
+            for path in files:
+                lines = tail_lines(path, LOG_TAIL_LINES)
+                print(f"  last {len(lines)} lines of {path}:", flush=True)
+                for line in lines:
+                    print(f"  | {line}", flush=True)
+            if not files:
+                print(f"  {where_trial_output_is(log_dir)}", flush=True)
 
     def _trials(self, ns: str, experiment: str, objective: str) -> list[Trial]:
         out = []
@@ -247,6 +354,32 @@ class KatibTuner(Tuner):
                 )
             )
         return sorted(out, key=lambda t: t.name)
+
+    def release(self, run_tag: str, namespace: str) -> list[str]:
+        """Delete every Experiment labelled with run `run_tag` (Tuner.release): Katib's
+        trials and their jobs are owned by it and go with it."""
+        from kubellm.backends.kubernetes.release import delete_run_objects
+
+        return delete_run_objects(self.kube, EXPERIMENT, namespace, run_tag)
+
+
+def where_trial_output_is(log_dir: Path | None) -> str:
+    """Where a person finds a trial's output (its training container's log is empty)."""
+    saved = f"each trial pod's output is saved in {log_dir}/<pod>.log; " if log_dir else ""
+    return (
+        f"{saved}while a trial runs, `kubectl logs <trial>-master-0 -c {COLLECTOR_CONTAINER}` "
+        "shows it (Katib's StdOut collector sends the training container's output to its "
+        "metrics file, so that container's own log is empty)"
+    )
+
+
+def tail_lines(path: Path, n: int) -> list[str]:
+    """The last `n` lines of a file (read from its last 64 KiB)."""
+    with path.open("rb") as fh:
+        fh.seek(0, 2)
+        fh.seek(max(fh.tell() - 65536, 0))
+        text = fh.read().decode("utf-8", "replace")
+    return text.splitlines()[-n:]
 
 
 def _trial_state(obj: dict[str, Any]) -> str:

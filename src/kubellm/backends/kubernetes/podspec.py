@@ -13,9 +13,11 @@ Fabric profiles (`fabric`):
 | rdma-ib | `rdma_resource` x `rdma_count` | yes | NCCL_IB_DISABLE=0, NCCL_IB_HCA=mlx5, NCCL_SOCKET_IFNAME=eth0, NCCL_NET_GDR_LEVEL=PHB, NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET |
 | roce | as rdma-ib | yes | as rdma-ib, plus NCCL_IB_GID_INDEX=3 (RoCE v2 over IPv4) |
 
-IPC_LOCK lets NCCL pin memory for RDMA (the container's memlock limit is too low without
-it); it is outside the "baseline" Pod Security level, which is why `overlays/rdma` enforces
-"privileged" and the other overlays do not need to.
+IPC_LOCK lets a root process pin memory for RDMA past the container's memlock limit; our
+training processes run as uid 10001, where it stays in the bounding set only
+(kubernetes/kubernetes#56374), so the node runtime's memlock limit must be unlimited (the
+fabric check fails naming it otherwise). IPC_LOCK is outside the "baseline" Pod Security
+level, which is why `overlays/rdma` enforces "privileged" and the other overlays do not need to.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ RUN_LABEL = "kubellm.dev/run"
 # On training pods only: manifests/base/jobs-networkpolicy.yaml admits traffic to them from
 # this namespace alone.
 COMPONENT_LABEL = {"kubellm.dev/component": "training"}
-# Kueue admits a job when its queue has room for all of its pods (gang scheduling).
+# Kueue admits a job when its queue has room for all of its pods (gang scheduling), with its
+# `kubeflow.org/pytorchjob` integration on (off in the manifests Kueue ships). The label goes
+# on the job only: on a pod, Kueue's pod integration would queue each pod on its own.
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -83,6 +87,7 @@ class ClusterSettings:
     gang_scheduler: str = "kueue"
     ttl_seconds: int | None = None  # ttlSecondsAfterFinished
     grace_seconds: int | None = None  # pods' terminationGracePeriodSeconds (the SIGTERM save)
+    max_restarts: int = 3  # pod recreations a job may have before the step deletes it
     fabric: str = "tcp"
     rdma_resource: str = "rdma/rdma_shared_device_a"
     rdma_count: int = 1
@@ -104,6 +109,7 @@ class ClusterSettings:
             gang_scheduler=cfg.gang_scheduler,
             ttl_seconds=cfg.job_ttl_hours * 3600,
             grace_seconds=cfg.job_grace_seconds,
+            max_restarts=cfg.job_max_restarts,
             fabric=cfg.fabric,
             rdma_resource=cfg.rdma_resource,
             rdma_count=cfg.rdma_count,
@@ -122,18 +128,28 @@ class ClusterSettings:
             raise ValueError(f"unknown fabric {self.fabric!r}; one of {', '.join(NCCL_PROFILES)}")
         return {**NCCL_PROFILES[self.fabric], **self.nccl_env}
 
-    def labels(self) -> dict[str, str]:
-        """Labels of every job object (and, through templates, of its pods)."""
+    def labels(self, *, pod: bool = False) -> dict[str, str]:
+        """Labels of every job object, or (`pod`) of its pods through templates: the same
+        minus Kueue's queue label, which must sit on the job alone (KUEUE_QUEUE_LABEL)."""
         out = dict(MANAGED_BY)
         if self.run_id and (value := label_value(self.run_id)):
             out[RUN_LABEL] = value
-        if self.queue and self.gang_scheduler == "kueue":
+        if self.queue and self.gang_scheduler == "kueue" and not pod:
             out[KUEUE_QUEUE_LABEL] = self.queue
         return out
 
     def resources(self) -> k8s.V1ResourceRequirements | None:
-        """Requests equal to limits (Guaranteed QoS: the kubelet's CPU manager can pin
-        cores); GPUs and RDMA devices are extended resources, set as limits."""
+        """The `pytorch` container's resources: cpu and memory requests equal to limits;
+        GPUs and RDMA devices are extended resources, set as limits.
+
+        A pod is Guaranteed QoS (its cores pinnable by the kubelet's CPU manager) only when
+        every container, init containers included, has equal cpu and memory requests and
+        limits. That holds for a training job's master pod when cpu and memory are set. It
+        does not hold for worker pods, which the Training Operator gives its `init-pytorch`
+        init container (requests 50m/10Mi, limits 100m/20Mi), nor for Katib trial master
+        pods, which get Katib's metrics collector sidecar (50m/10Mi, limits 500m/100Mi):
+        both are Burstable unless the cluster sets equal requests and limits for those
+        (tests/k8s/test_qos.py)."""
         requests = {k: v for k, v in (("cpu", self.cpu), ("memory", self.memory)) if v}
         limits = dict(requests)
         if self.gpus_per_node:

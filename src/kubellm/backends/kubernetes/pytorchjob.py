@@ -17,6 +17,7 @@ Example (a cluster with the Training Operator; the image holds kubellm):
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from kubeflow.training.constants import constants as to
@@ -40,6 +41,7 @@ from kubellm.backends.base import (
 from kubellm.backends.kubernetes.client import (
     CustomResource,
     KubeClient,
+    PodWatch,
     condition_is_true,
     container_security,
     failed_condition,
@@ -48,6 +50,7 @@ from kubellm.backends.kubernetes.client import (
 )
 from kubellm.backends.kubernetes.podspec import (
     COMPONENT_LABEL,
+    KUEUE_QUEUE_LABEL,
     MLFLOW_SECRET,
     MLFLOW_SECRET_ENV,
     ClusterSettings,
@@ -107,7 +110,9 @@ def build_pytorchjob(
             run_policy=KubeflowOrgV1RunPolicy(
                 # Keep finished pods: their logs say what happened (deleted with the job).
                 clean_pod_policy="None",
-                # Retries of retryable exits (pre-emption, 128-255) under ExitCode.
+                # Retries of retryable exits (pre-emption, 128-255) under ExitCode. Operators
+                # that honour it stop there; release-1.9 does not (RetryCount): the step
+                # deletes the job after cluster.max_restarts.
                 backoff_limit=3,
                 # The operator stops the job at the step's own timeout, even when the step
                 # itself is gone; the TTL deletes finished jobs and their pods.
@@ -127,6 +132,135 @@ def pytorchjob_manifest(job: TrainJob, cluster: ClusterSettings | None = None) -
 def master_selector(name: str) -> str:
     """Labels the operator puts on the master pod of PyTorchJob `name`."""
     return f"{to.JOB_NAME_LABEL}={name},{to.REPLICA_TYPE_LABEL}={to.REPLICA_TYPE_MASTER.lower()}"
+
+
+def job_selector(name: str) -> str:
+    """The label the operator puts on every pod of PyTorchJob `name`."""
+    return f"{to.JOB_NAME_LABEL}={name}"
+
+
+def pytorchjob_queued(obj: dict[str, Any]) -> str | None:
+    """Why the PyTorchJob waits in a queue, or None once it is admitted.
+
+    Kueue creates jobs suspended (`spec.runPolicy.suspend`) and unsuspends them on
+    admission; the operator then reports Suspended=False (Resumed). Until both say so the
+    job has no pods and its timeout must not run.
+    """
+    suspended = bool(((obj.get("spec") or {}).get("runPolicy") or {}).get("suspend"))
+    if not suspended and not condition_is_true(obj, "Suspended"):
+        return None
+    queue = ((obj.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+    return f"suspended, queue {queue}" if queue else "suspended"
+
+
+# Exit codes the operator retries under restartPolicy ExitCode: 128-255 (a signal, e.g. the
+# agent's 200 for pre-emption, or 137 for OOM); kubeflow/training-operator
+# pkg/util/train/train_util.go#L25 at v1.9.0.
+RETRYABLE_EXIT = 128
+# What the operator takes for the exit code of a pod whose container never terminated
+# (pkg/controller.v1/common/pod.go#L340): retryable.
+NO_EXIT_CODE = 0xBEEF
+
+
+class RetryCount:
+    """The retries of a PyTorchJob as its pods show them: the bound `max_restarts` that
+    Training Operator release-1.9 does not keep.
+
+    Under restartPolicy ExitCode the operator deletes a pod that exited 128-255 and creates
+    it again with restartPolicy Never, and its backoffLimit sums only the in-place restarts
+    (restartCount) of Running pods, which such pods never have: backoffLimit is never
+    reached, and a retryable exit loops on every GPU of the job until activeDeadlineSeconds
+    (kubeflow/training-operator pkg/core/job.go#L95-L133 and pkg/controller.v1/common/
+    job.go#L192-L204 at v1.9.0, whose NumRequeues is always 0; kubeflow/trainer#2045).
+
+    Retries are counted per replica (`master-0`, `worker-3`), once per pod: a pod that
+    Failed with a retryable exit code (its `pytorch` container's, 128-255, or none at all,
+    as the operator reads it) and was not being deleted; a pod replaced at its replica index
+    without its end having been seen (a gap in the watch); and each in-place container
+    restart (restartCount) of a pod that restarts. The job's count is its most-retried
+    replica's, so a pre-emption that stops every pod of a 16-node job at once is one retry,
+    not sixteen. A pod deleted by someone else (Kueue suspending the job, pre-emption, a
+    node drain) is no failure of the job: neither it nor its successor is counted.
+    """
+
+    def __init__(self, name: str, max_restarts: int) -> None:
+        self.name = name
+        self.max_restarts = max_restarts
+        self._lock = threading.Lock()
+        self._retries: dict[tuple[str, str], int] = {}  # replica -> retries counted
+        self._last: dict[tuple[str, str], tuple[str, str]] = {}  # replica -> (pod, what)
+        self._current: dict[tuple[str, str], str] = {}  # replica -> uid of its newest pod
+        self._ended: set[str] = set()  # uids whose end was seen (and counted if a retry)
+        self._restarts: dict[str, int] = {}  # uid -> in-place restarts counted
+
+    @property
+    def count(self) -> int:
+        """The retries of the most-retried replica."""
+        return max(self._retries.values(), default=0)
+
+    def watch(self) -> PodWatch:
+        """What `KubeClient.run(pod_watch=...)` needs: every pod of the job, and this."""
+        return PodWatch(job_selector(self.name), self.check)
+
+    def check(self, event_type: str, pod: dict[str, Any]) -> str | None:
+        """Count what `pod` shows; the reason to stop the job once `max_restarts` is passed."""
+        meta = pod.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        uid = str(meta.get("uid") or name)
+        labels = meta.get("labels") or {}
+        replica = (
+            str(labels.get(to.REPLICA_TYPE_LABEL, name)),
+            str(labels.get(to.REPLICA_INDEX_LABEL, "")),
+        )
+        status = pod.get("status") or {}
+        with self._lock:
+            if event_type == "DELETED":
+                self._ended.add(uid)
+                return None
+            previous = self._current.get(replica)
+            if previous is not None and previous != uid and previous not in self._ended:
+                self._ended.add(previous)
+                self._count(replica, name, "replaced without its end being seen")
+            self._current[replica] = uid
+            if (pod.get("spec") or {}).get("restartPolicy", "Always") != "Never":
+                restarts = sum(
+                    int(cs.get("restartCount") or 0) for cs in status.get("containerStatuses") or []
+                )
+                for _ in range(restarts - self._restarts.get(uid, 0)):
+                    self._count(replica, name, "restarted in place")
+                self._restarts[uid] = max(restarts, self._restarts.get(uid, 0))
+            phase = status.get("phase")
+            if phase in ("Succeeded", "Failed") and uid not in self._ended:
+                self._ended.add(uid)
+                code = _exit_code(pod)
+                deleting = bool(meta.get("deletionTimestamp"))
+                if phase == "Failed" and code >= RETRYABLE_EXIT and not deleting:
+                    how = f"exit code {code}" if code != NO_EXIT_CODE else "no exit code"
+                    reason = f", {status['reason']}" if status.get("reason") else ""
+                    self._count(replica, name, how + reason)
+            worst = max(self._retries, key=self._retries.__getitem__, default=None)
+            if worst is None or self._retries[worst] <= self.max_restarts:
+                return None
+            pod_name, what = self._last[worst]
+            return (
+                f"pod {pod_name} failed {self._retries[worst]} times with retryable exits, "
+                f"more than job_max_restarts={self.max_restarts} allows (the last time: "
+                f"{what}); the Training Operator recreates such pods without end under "
+                "restartPolicy ExitCode, whatever backoffLimit says"
+            )
+
+    def _count(self, replica: tuple[str, str], pod: str, what: str) -> None:
+        self._retries[replica] = self._retries.get(replica, 0) + 1
+        self._last[replica] = (pod, what)
+
+
+def _exit_code(pod: dict[str, Any]) -> int:
+    """The `pytorch` container's exit code as the operator reads it (0xbeef without one)."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        terminated = (cs.get("state") or {}).get("terminated")
+        if cs.get("name") == CONTAINER and terminated:
+            return int(terminated.get("exitCode") or 0)
+    return NO_EXIT_CODE
 
 
 def job_pod_template(job: TrainJob, cluster: ClusterSettings) -> k8s.V1PodTemplateSpec:
@@ -177,7 +311,8 @@ def job_pod_template(job: TrainJob, cluster: ClusterSettings) -> k8s.V1PodTempla
     )
     return k8s.V1PodTemplateSpec(
         metadata=k8s.V1ObjectMeta(
-            labels={**cluster.labels(), **COMPONENT_LABEL}, annotations=cluster.annotations()
+            labels={**cluster.labels(pod=True), **COMPONENT_LABEL},
+            annotations=cluster.annotations(),
         ),
         spec=k8s.V1PodSpec(
             containers=[container],
@@ -220,7 +355,11 @@ class PyTorchJobTrainer(Trainer):
 
     def run(self, job: TrainJob) -> JobResult:
         """Create (or adopt, or replace) the job, stream the master's log while it runs,
-        and return that log's metrics; JobFailed with the operator's reason otherwise."""
+        and return that log's metrics; JobFailed with the operator's reason otherwise.
+
+        `job.timeout_s` counts from the job's admission (a job Kueue holds suspended waits
+        up to QUEUE_TIMEOUT_S first), and the job is deleted with the reason once its pods
+        have failed retryably more than `cluster.max_restarts` times (RetryCount)."""
         body = pytorchjob_manifest(job, self.cluster)
         name, ns = body["metadata"]["name"], job.namespace
         outcome = self.kube.run(
@@ -232,6 +371,8 @@ class PyTorchJobTrainer(Trainer):
             failure=failed_condition,
             follow_logs=master_selector(name),
             log_container=CONTAINER,
+            queued=pytorchjob_queued,
+            pod_watch=RetryCount(name, self.cluster.max_restarts).watch(),
         )
         if outcome.log_error is not None:  # the metrics are in this log; none misleads
             raise JobFailed(
@@ -239,3 +380,11 @@ class PyTorchJobTrainer(Trainer):
                 f"read ({outcome.log_error}); the pod must outlive the job (cleanPodPolicy None)"
             )
         return JobResult(name=name, logs=outcome.logs, metrics=parse_metrics(outcome.logs))
+
+    def release(self, run_tag: str, namespace: str) -> list[str]:
+        """Delete every PyTorchJob labelled with run `run_tag` (the exit handler's cleanup,
+        Trainer.release): a job whose step was stopped runs on otherwise, holding its GPUs
+        until its activeDeadlineSeconds (kubellm.backends.kubernetes.release)."""
+        from kubellm.backends.kubernetes.release import delete_run_objects
+
+        return delete_run_objects(self.kube, PYTORCHJOB, namespace, run_tag)
