@@ -36,7 +36,7 @@ from fakes.sim_cluster import SimCluster
 from kubellm.config import pipeline_config
 from tracking.mlflow_server import running_mlflow_server
 
-from .conftest import HALF_LEARNABLE_STEPS, REPO, SMALL, STAGES
+from .conftest import HALF_LEARNABLE_STEPS, REPO, SMALL, STAGES, LocalRun
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "kubellm"
@@ -51,10 +51,13 @@ def summary_rows(text: str) -> dict[str, str]:
     return dict(re.findall(r"^\| ([^|]+?) \| (.*) \|$", text, flags=re.M))
 
 
-def run_pipeline(root: Path, env: dict[str, str], overrides: dict[str, Any]) -> tuple[str, str]:
+def run_pipeline(
+    root: Path, env: dict[str, str], overrides: dict[str, Any], runner: str = ""
+) -> tuple[str, str]:
     """kfp.local runs the committed YAML (as `kubellm run --local` does, without forcing
     platform=local) behind the KFP runtime's fake (`python -m fakes.kfp_runtime`, which
-    wraps kubellm.local_run's child); returns (the summary report, the output)."""
+    wraps kubellm.local_run's child; `runner`, MODULE:FUNCTION, runs each task's process);
+    returns (the summary report, the output)."""
     cfg = pipeline_config(overrides)
     arguments = {k: getattr(cfg, k) for k in overrides}  # typed as the pipeline declares
     cmd = [
@@ -64,6 +67,7 @@ def run_pipeline(root: Path, env: dict[str, str], overrides: dict[str, Any]) -> 
         str(REPO / "pipelines" / "llm_train.yaml"),
         str(root),
         json.dumps(arguments),
+        *(["--run-subprocess", runner] if runner else []),
     ]
     # fakes/ is under tests/; appended, so nothing there shadows what the steps import
     path = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO / "tests")) if p)
@@ -75,7 +79,9 @@ def run_pipeline(root: Path, env: dict[str, str], overrides: dict[str, Any]) -> 
     return reports[-1].read_text(), output
 
 
-def test_the_pipeline_runs_on_the_simulated_cluster(tmp_path: Path, half_learnable: Path) -> None:
+def test_the_pipeline_runs_on_the_simulated_cluster(
+    tmp_path: Path, half_learnable: Path, local_run: LocalRun
+) -> None:
     params = {**SMALL, "data_source": str(half_learnable), "train_steps": HALF_LEARNABLE_STEPS}
     bin_dir = str(Path(sys.executable).parent)  # `python3` and `kubellm` of this environment
     base_env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
@@ -155,17 +161,9 @@ def test_the_pipeline_runs_on_the_simulated_cluster(tmp_path: Path, half_learnab
         assert rows["endpoint"].startswith("http://127.0.0.1:")
         assert rows["gate"].startswith("promote")
 
-    local_env = {**base_env, "PYTHONUNBUFFERED": "1"}
-    local = subprocess.run(
-        [sys.executable, "-m", "kubellm.cli", "run", "--local"]
-        + ["--pipeline", str(REPO / "pipelines" / "llm_train.yaml")]
-        + [a for k, v in params.items() for a in ("--set", f"{k}={v}")],
-        cwd=tmp_path,
-        env=local_env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    # the same parameters run locally (the session's local_run, which the local e2e test
+    # checks in full): the data figures and the gate decision must be equal
+    local = local_run.proc
     assert local.returncode == 0, local.stdout[-4000:] + local.stderr[-4000:]
     local_rows = summary_rows(local.stdout[local.stdout.rindex("=" * 78) :])
     for row in SAME_AS_LOCAL:

@@ -14,36 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
 
-from tracking.mlflow_server import running_mlflow_server
-
-from .conftest import HALF_LEARNABLE_STEPS, REJECT_ABOVE, REPO, SMALL, STAGES
+from .conftest import (
+    HALF_LEARNABLE_STEPS,
+    REJECT_ABOVE,
+    REPO,
+    STAGES,
+    LocalRun,
+    _run,
+)
 
 pytestmark = pytest.mark.slow
 FINGERPRINT = "kubellm.data_fingerprint"
-
-
-def _copy_yaml(tmp: Path, name: str) -> Path:
-    """The committed YAML under another pipeline name: the run's folder proves what ran."""
-    docs = list(yaml.safe_load_all((REPO / "pipelines" / "llm_train.yaml").read_text()))
-    docs[0]["pipelineInfo"]["name"] = name
-    out = tmp / f"{name}.yaml"
-    out.write_text(yaml.safe_dump_all(docs, sort_keys=False))
-    return out
-
-
-def _run(tmp: Path, pipeline: Path, **overrides: Any) -> subprocess.CompletedProcess[str]:
-    sets = [a for k, v in {**SMALL, **overrides}.items() for a in ("--set", f"{k}={v}")]
-    return subprocess.run(
-        [sys.executable, "-m", "kubellm.cli", "run", "--local", "--pipeline", str(pipeline), *sets],
-        cwd=tmp,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
 
 
 def _client(tmp: Path) -> MlflowClient:
@@ -57,47 +40,40 @@ def _children(client: MlflowClient, parent: Any) -> dict[str, Any]:
     return {r.data.tags["kubellm.stage"]: r for r in runs}
 
 
-def test_full_pipeline_serves_and_records_lineage(tmp_path: Path, half_learnable: Path) -> None:
+def test_full_pipeline_serves_and_records_lineage(local_run: LocalRun) -> None:
     """The whole DAG against a real `mlflow server` on loopback (HTTP client, proxied
     artifacts, the trainer's background sink), as on a cluster; then `kubellm lineage`
-    reads the chain back from that server."""
-    (tmp_path / "mlflow").mkdir()
-    with running_mlflow_server(tmp_path / "mlflow", tmp_path / "mlflow.db") as server:
-        proc = _run(
-            tmp_path,
-            _copy_yaml(tmp_path, "e2e-copy"),
-            data_source=half_learnable,
-            train_steps=HALF_LEARNABLE_STEPS,
-            mlflow_tracking_uri=server.url,
-        )  # the default gate, 0.2
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        children = _check_run(tmp_path, proc.stdout, MlflowClient(server.url))
-        text, as_json = (
-            subprocess.run(
-                [sys.executable, "-m", "kubellm.cli", "lineage", "kubellm-tiny@champion", *flag],
-                capture_output=True,
-                text=True,
-                timeout=120,
-                env={**os.environ, "MLFLOW_TRACKING_URI": server.url},
-                check=True,
-            ).stdout
-            for flag in ([], ["--json"])
-        )
-        # any MLflow client loads the champion from the server's registry and generates
-        smoke = children["smoke_test"].data.params
-        loaded = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "import json, sys, mlflow; m = mlflow.pyfunc.load_model("
-                "'models:/kubellm-tiny@champion'); print(json.dumps(m.predict([sys.argv[1]])))",
-                smoke["prompt"],
-            ],
+    reads the chain back from that server. The run is the session's `local_run`, which the
+    cluster test compares its figures with."""
+    tmp_path, proc, server = local_run.tmp, local_run.proc, local_run.server
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    children = _check_run(tmp_path, proc.stdout, MlflowClient(server.url))
+    text, as_json = (
+        subprocess.run(
+            [sys.executable, "-m", "kubellm.cli", "lineage", "kubellm-tiny@champion", *flag],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=120,
             env={**os.environ, "MLFLOW_TRACKING_URI": server.url},
-        )
+            check=True,
+        ).stdout
+        for flag in ([], ["--json"])
+    )
+    # any MLflow client loads the champion from the server's registry and generates
+    smoke = children["smoke_test"].data.params
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json, sys, mlflow; m = mlflow.pyfunc.load_model("
+            "'models:/kubellm-tiny@champion'); print(json.dumps(m.predict([sys.argv[1]])))",
+            smoke["prompt"],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MLFLOW_TRACKING_URI": server.url},
+    )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     # the same weights and greedy decoding as the served model's answer in the smoke test
     assert json.loads(loaded.stdout.strip().splitlines()[-1]) == [smoke["answer"]]

@@ -1,0 +1,43 @@
+"""Pod rules of fakes/fake_k8s.py that no other test pins (rows in
+tests/fakes/upstream.d/pins.md): the log's container selection and the pod field labels."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+from fakes.fake_k8s import FakeK8s
+
+TWO = {"containers": [{"name": "pytorch", "image": "x"}, {"name": "sidecar", "image": "x"}]}
+
+
+def test_a_pod_with_several_containers_needs_a_container_name_for_its_log(
+    fake_k8s: FakeK8s,
+) -> None:
+    """strategy.go validateContainer: no default container when there are several."""
+    core = k8s.CoreV1Api(fake_k8s.api_client())
+    fake_k8s.add_pod("default", "p", {}, phase="Running", spec=TWO)
+    fake_k8s.append_log("default", "p", "hello\n")
+    with pytest.raises(ApiException) as info:
+        core.read_namespaced_pod_log("p", "default")
+    assert info.value.status == 400
+    assert "a container name must be specified for pod p, choose one of: [pytorch sidecar]" in (
+        info.value.body
+    )
+    assert core.read_namespaced_pod_log("p", "default", container="pytorch") == "hello\n"
+
+
+def test_pod_field_selectors_take_the_pod_labels_and_refuse_others(fake_k8s: FakeK8s) -> None:
+    """conversion.go's Pod field label conversion: spec.nodeName & co; others are 400."""
+    core = k8s.CoreV1Api(fake_k8s.api_client())
+    on_node = {"nodeName": "n1", "containers": [{"name": "main", "image": "x"}]}
+    fake_k8s.add_pod("default", "a", {}, phase="Running", spec=on_node)
+    fake_k8s.add_pod("default", "b", {}, phase="Running")
+    pods = core.list_namespaced_pod("default", field_selector="spec.nodeName=n1").items
+    assert [p.metadata.name for p in pods] == ["a"]
+    pods = core.list_namespaced_pod("default", field_selector="spec.nodeName!=n1").items
+    assert [p.metadata.name for p in pods] == ["b"]
+    with pytest.raises(ApiException) as info:
+        core.list_namespaced_pod("default", field_selector="spec.containers=main")
+    assert info.value.status == 400 and "field label not supported" in info.value.body
