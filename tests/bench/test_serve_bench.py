@@ -82,7 +82,8 @@ def test_quick_serve_bench_reports_every_figure(tmp_path: Path) -> None:
             continue
         ours, peer, ratio = _num(row[1]), _num(row[2]), float(row[3])
         assert ours > 0 and peer > 0 and math.isfinite(ratio), row
-        assert math.isclose(ratio, ours / peer, rel_tol=0.01), row
+        # the ratio is printed with 2 decimals: 0.2159 shows as 0.22 (2% off at that size)
+        assert math.isclose(ratio, ours / peer, rel_tol=0.01, abs_tol=0.006), row
         if title in TARGETS:
             assert row[4] == TARGETS[title] and row[5] in ("PASS", "MISS"), row
         else:
