@@ -85,6 +85,18 @@ def pending_message(workload: dict[str, Any]) -> str:
     return ""
 
 
+def both_pods(sim: SimCluster) -> list[dict[str, Any]]:
+    """The job's two pods, once the operator has created both."""
+    return sim.wait_for(
+        lambda: (
+            len(sim.fake.list_objects("pods", "default")) == 2
+            and sim.fake.list_objects("pods", "default")
+        ),
+        timeout_s=10,
+        what="both pods created",
+    )
+
+
 def scheduled_reason(sim: SimCluster, pod: str) -> str:
     status = (sim.fake.get_object("pods", pod) or {}).get("status") or {}
     for cond in status.get("conditions") or []:
@@ -131,14 +143,7 @@ def test_the_training_job_is_one_workload_admitted_whole(tmp_path: Path) -> None
             timeout_s=10,
             what="the job unsuspended",
         )
-        pods = sim.wait_for(
-            lambda: (
-                len(sim.fake.list_objects("pods", "default")) == 2
-                and sim.fake.list_objects("pods", "default")
-            ),
-            timeout_s=10,
-            what="both pods created",
-        )
+        pods = both_pods(sim)
         for pod in pods:  # not queued one by one: no pod gated, none a workload of its own
             assert not pod["spec"].get("schedulingGates"), pod["metadata"]["name"]
         assert len(workloads(sim)) == 1
@@ -172,14 +177,7 @@ def test_shipped_kueue_leaves_our_job_alone(tmp_path: Path) -> None:
     with cluster(tmp_path, SHIPPED) as sim:
         created = create(sim, training_job())
         assert "suspend" not in created["spec"]["runPolicy"]
-        pods = sim.wait_for(
-            lambda: (
-                len(sim.fake.list_objects("pods", "default")) == 2
-                and sim.fake.list_objects("pods", "default")
-            ),
-            timeout_s=10,
-            what="both pods created",
-        )
+        pods = both_pods(sim)
         managed = [p["metadata"]["name"] for p in pods if MANAGED_LABEL in p["metadata"]["labels"]]
         assert managed == [], "Kueue's pod webhook took these pods one by one"
         assert [p["spec"].get("schedulingGates") for p in pods] == [None, None]
@@ -223,11 +221,7 @@ def test_the_pod_label_variant_with_the_integration_on_is_one_workload(tmp_path:
     with cluster(tmp_path, ENABLED) as sim:
         create(sim, pod_labelled(training_job()))
         sim.wait_for(lambda: admitted(sim), timeout_s=10, what="the workload admitted")
-        sim.wait_for(
-            lambda: len(sim.fake.list_objects("pods", "default")) == 2,
-            timeout_s=10,
-            what="both pods created",
-        )
+        both_pods(sim)
         [workload] = workloads(sim)
         assert pod_counts(workload) == {"master": 1, "worker": 1}
 
