@@ -402,7 +402,12 @@ RR_CASES = [
         status=400,
         error="invalid period schedule interval",
     ),
-    Case("no mode", change={"mode": "MODE_UNSPECIFIED"}, status=400, error="mode: must be"),
+    Case(
+        "unknown mode",
+        change={"mode": "ON"},
+        status=400,
+        error='mode: invalid value for enum field mode: "ON"',
+    ),
     Case(
         "no max_concurrency",
         change={"max_concurrency": None},
@@ -414,8 +419,8 @@ RR_CASES = [
     Case(
         "unknown experiment",
         change={"experiment_id": "nope"},
-        status=400,
-        error="experiment nope not found",
+        status=404,
+        error="Experiment nope not found",
     ),
     Case(
         "missing version",
@@ -477,6 +482,42 @@ def test_fake_checks_recurring_run_creates(fake: FakeKfp, case: Case) -> None:
     assert resp.json()["code"] in (3, 5)
     assert fake.recurring_runs == {}
     assert any(case.error in e for e in fake.errors)
+
+
+@pytest.mark.parametrize(
+    ("mode", "status"),
+    [
+        ("ENABLE", "ENABLED"),
+        ("DISABLE", "DISABLED"),
+        ("MODE_UNSPECIFIED", "DISABLED"),  # toModelJobEnabled: unspecified is disabled
+        (None, "DISABLED"),  # no mode: the enum's zero value
+        (1, "ENABLED"),  # protojson reads an enum's number too
+    ],
+)
+def test_fake_recurring_run_mode_is_the_servers(fake: FakeKfp, mode: Any, status: str) -> None:
+    experiment = fake.add_experiment("direct")
+    pipeline = _upload(fake).json()
+    (version,) = fake.versions.values()
+    body: dict[str, Any] = {
+        "display_name": "nightly",
+        "experiment_id": experiment["experiment_id"],
+        "max_concurrency": "1",
+        "trigger": {"cron_schedule": {"cron": "0 0 2 * * *"}},
+        "pipeline_version_reference": {
+            "pipeline_id": pipeline["pipeline_id"],
+            "pipeline_version_id": version["pipeline_version_id"],
+        },
+    }
+    if mode is not None:
+        body["mode"] = mode
+    resp = requests.post(f"{fake.url}{API}/recurringruns", json=body, timeout=10)
+    assert resp.status_code == 200, resp.text
+    assert (resp.json()["status"], resp.json()["mode"]) == (status, status[:-1])
+    assert fake.errors == []
+    # a number the enum lacks passes the decode and fails toModelJobEnabled: internal
+    body["mode"] = 7
+    resp = requests.post(f"{fake.url}{API}/recurringruns", json=body, timeout=10)
+    assert resp.status_code == 500 and "Recurring run's mode is invalid: 7" in resp.text
 
 
 def test_fake_upload_rules(fake: FakeKfp) -> None:

@@ -191,7 +191,8 @@ class Case:
     parameters: dict[str, Any] = field(default_factory=dict)
     change: dict[str, Any] = field(default_factory=dict)  # top-level fields of the run body
     drop_from_spec: str = ""  # a top-level key removed from the pipeline spec
-    error: str = ""  # expected in the 400 message; empty: the run is accepted
+    error: str = ""  # expected in the error message; empty: the run is accepted
+    status: int = 400  # the status of a refused run
 
 
 CASES = [
@@ -222,7 +223,12 @@ CASES = [
         parameters={"model_name": 5},
         error="model_name: STRING needs a string",
     ),
-    Case("unknown experiment", change={"experiment_id": "nope"}, error="experiment nope not found"),
+    Case(
+        "unknown experiment",
+        change={"experiment_id": "nope"},
+        error="Experiment nope not found",
+        status=404,  # GetValidExperimentNamespacePair: NotFound
+    ),
     Case("no display name", change={"display_name": ""}, error="display_name: required"),
     Case("unknown run field", change={"pipeline": "x"}, error="pipeline: unknown field"),
     Case(
@@ -259,11 +265,31 @@ def test_fake_checks_run_creates(fake: FakeKfp, case: Case) -> None:
         assert resp.json()["run_id"] in fake.runs
         assert fake.errors == []
         return
-    assert resp.status_code == 400
+    assert resp.status_code == case.status
     assert case.error in resp.json()["message"]
     assert fake.runs == {}
     assert len(fake.errors) >= 1
     assert any(case.error in e for e in fake.errors)
+
+
+def test_fake_puts_a_run_without_an_experiment_in_the_default_one(fake: FakeKfp) -> None:
+    """resource_manager.go GetValidExperimentNamespacePair: no experiment_id is the default
+    experiment (created when missing) in single-user mode, a 400 in multi-user mode."""
+    spec, platform = _compiled()
+    body = {
+        "display_name": "direct-run",
+        "pipeline_spec": {"pipeline_spec": spec, "platform_spec": platform},
+    }
+    for _ in range(2):
+        resp = requests.post(f"{fake.url}{API}/runs", json=body, timeout=10)
+        assert resp.status_code == 200, resp.text
+    (default,) = fake.experiments.values()
+    assert default["display_name"] == "Default"
+    assert {r["experiment_id"] for r in fake.runs.values()} == {default["experiment_id"]}
+    with FakeKfp(multi_user=True) as multi:
+        resp = requests.post(f"{multi.url}{API}/runs", json=body, timeout=10)
+        assert resp.status_code == 400
+        assert "Experiment id can not be empty in multi-user mode" in resp.json()["message"]
 
 
 def test_submit_of_a_pipeline_lacking_a_parameter_is_rejected(

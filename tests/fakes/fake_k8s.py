@@ -54,7 +54,8 @@ start: ContainerCreating` (the kubelet's answer), so a client must wait for Runn
 
 Test controls (Python calls, thread-safe, never authorized, each emitting the watch events
 the same change over HTTP would): set_status, patch_status, script_status, on_create,
-on_admit (a mutating webhook: Katib's pod webhook), on_delete, add_listener, fail, add_pod,
+on_admit (a mutating webhook: Katib's pod webhook), on_validate (a validating one: Katib's
+experiment webhook), on_delete, add_listener, fail, add_pod,
 set_pod_phase, append_log, pod_log, put_object,
 create_object, delete_object, get_object, list_objects, created, validate, history,
 drop_watches, compact; records: requests, errors, deleted, forbidden.
@@ -66,7 +67,10 @@ pod deletion is immediate (the object goes at once; the sim's kubelet then stops
 process), foreground deletion marks the owner (deletionTimestamp, a MODIFIED event) and
 deletes the dependents before it, the garbage collector runs synchronously inside the
 delete, a resourceVersion ahead of the server is accepted instead of waiting then answering
-504, and only merge patch is served (415 for JSON and strategic merge patch).
+504, and only merge patch is applied: a patch type the resource's handler does not serve
+(strategic merge patch on a custom resource) gets the API server's 415, and one it serves but
+the fake does not apply (JSON patch, apply patch; strategic merge patch on a pod) a 415 that
+says so.
 """
 
 from __future__ import annotations
@@ -126,6 +130,30 @@ SUBRESOURCES = {"pods": ("log", "status")}
 DEFAULT_SUBRESOURCES = ("status",)
 TERMINAL_PHASES = ("Succeeded", "Failed")
 
+# PATCH media types (k8s.io/apimachinery pkg/types/patch.go). The CRD handler serves JSON,
+# merge and apply patches (apiextensions-apiserver customresource_handler.go#L322-L326), the
+# built-in kinds' handler strategic merge patch too (apiserver endpoints/installer.go#L874-
+# L879); the fake applies merge patches only.
+JSON_PATCH = "application/json-patch+json"
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+CUSTOM_RESOURCE_PATCH_TYPES = (JSON_PATCH, MERGE_PATCH, APPLY_PATCH)
+BUILTIN_PATCH_TYPES = (JSON_PATCH, MERGE_PATCH, STRATEGIC_MERGE_PATCH, APPLY_PATCH)
+
+
+class _NotJson:
+    """A PATCH body that does not parse: 400 once its media type is accepted."""
+
+    def __deepcopy__(self, memo: Any) -> _NotJson:
+        return self
+
+    def __repr__(self) -> str:
+        return "<not JSON>"
+
+
+NOT_JSON = _NotJson()
+
 
 @dataclass(frozen=True)
 class Recorded:
@@ -179,6 +207,9 @@ OnCreate = Callable[["FakeK8s", dict[str, Any]], None]
 OnDelete = Callable[["FakeK8s", dict[str, Any]], None]
 # A mutating admission webhook: (fake, body, namespace) -> the body to store (or ApiError).
 Mutate = Callable[["FakeK8s", dict[str, Any], str], dict[str, Any]]
+# A validating admission webhook: (fake, body, the stored object on UPDATE else None,
+# namespace) -> None, or raises ApiError to refuse the request.
+Validate = Callable[["FakeK8s", dict[str, Any], dict[str, Any] | None, str], None]
 Listener = Callable[[Event], None]
 
 _CUSTOM = re.compile(
@@ -238,6 +269,46 @@ def status_body(code: int, reason: str, message: str, **details: Any) -> dict[st
         "details": details,
         "code": code,
     }
+
+
+def unsupported_patch(content_type: str, builtin: bool) -> ApiError | None:
+    """The 415 for a PATCH whose Content-Type the fake does not apply, or None.
+
+    As PatchResource (k8s.io/apiserver pkg/endpoints/handlers/patch.go#L73-L84): the media type
+    is the header up to any `;`, and one the resource's handler does not serve is 415
+    UnsupportedMediaType "the body of the request was in an unknown format - accepted media
+    types include: <the handler's types>" (a strategic merge patch on a custom resource).
+    One it serves but the fake does not apply (JSON patch, apply patch, and a strategic merge
+    patch on a pod) is 415 too, where upstream applies it: kubellm sends merge patches only.
+    """
+    media = content_type.split(";", 1)[0] if content_type.find(";") > 0 else content_type
+    accepted = BUILTIN_PATCH_TYPES if builtin else CUSTOM_RESOURCE_PATCH_TYPES
+    if media not in accepted:
+        message = (
+            "the body of the request was in an unknown format - accepted media types "
+            f"include: {', '.join(accepted)}"
+        )
+    elif media != MERGE_PATCH:
+        message = f"the fake applies only {MERGE_PATCH} patches, not {media}"
+    else:
+        return None
+    return ApiError(415, status_body(415, "UnsupportedMediaType", message))
+
+
+_LOG_LINE = re.compile(r"[^\n]*\n|[^\n]+$")  # a log's lines, the last maybe without "\n"
+
+
+def tail_line_start(text: str, n: int) -> int:
+    """Where the last `n` lines of a log start, as the kubelet's log reader finds them
+    (k8s.io/cri-client pkg/logs/tail.go findTailLineStartIndex): the start for n < 0, else
+    the start of the last n lines, a last line without a newline not counted."""
+    if n < 0:
+        return 0
+    newlines = text.count("\n")
+    start = 0
+    for _ in range(max(newlines - n, 0)):
+        start = text.index("\n", start) + 1
+    return start
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -360,6 +431,7 @@ class FakeK8s(LoopbackFake):
         self._on_create: dict[str, list[OnCreate]] = {}
         self._on_delete: dict[str, list[OnDelete]] = {}
         self._mutators: dict[str, list[Mutate]] = {}  # on_admit
+        self._validators_hooks: dict[str, list[Validate]] = {}  # on_validate
         self._listeners: list[Listener] = []
         self._failures: list[tuple[str, str, int]] = []  # method, path substring, code
         # Never 0: a list's resourceVersion "0" would mean "any" to a watch (etcd starts at 1).
@@ -488,6 +560,14 @@ class FakeK8s(LoopbackFake):
         admission before its create strategy; it returns the body to store."""
         with self._lock:
             self._mutators.setdefault(plural, []).append(mutate)
+
+    def on_validate(self, plural: str, check: Validate) -> None:
+        """A validating admission webhook on CREATE and UPDATE of `plural` (Katib's
+        experiment validator): called after the schema check, as the API server runs
+        validating admission after the create or update strategy's validation, with the
+        stored object on UPDATE; it raises ApiError to refuse the request."""
+        with self._lock:
+            self._validators_hooks.setdefault(plural, []).append(check)
 
     def on_delete(self, plural: str, callback: OnDelete) -> None:
         """Call `callback(fake, obj)` after each delete of `plural` (cascaded ones too)."""
@@ -717,7 +797,9 @@ class FakeK8s(LoopbackFake):
 
     # ------------------------------------------------------------ request handling
 
-    def handle(self, method: str, raw_path: str, body: Any) -> tuple[int, Any]:
+    def handle(
+        self, method: str, raw_path: str, body: Any, content_type: str = ""
+    ) -> tuple[int, Any]:
         """Answer one request: (code, JSON body or text), or (200, Stream)."""
         parts = urlsplit(raw_path)
         query = parse_qs(parts.query)
@@ -732,7 +814,7 @@ class FakeK8s(LoopbackFake):
             if route is None:
                 raise ApiError(404, status_body(404, "NotFound", f"no route for {parts.path}"))
             self._authorize(method, parts.path, query, route)
-            return self._serve(method, route, query, body)
+            return self._serve(method, route, query, body, content_type)
         except ApiError as reply:
             return reply.code, reply.body
 
@@ -750,7 +832,7 @@ class FakeK8s(LoopbackFake):
         raise ApiError(403, status_forbidden(attrs, message))
 
     def _serve(
-        self, method: str, r: Route, query: dict[str, list[str]], body: Any
+        self, method: str, r: Route, query: dict[str, list[str]], body: Any, content_type: str = ""
     ) -> tuple[int, Any]:
         if r.group == "" and r.plural in CORE_STORES:
             return self._serve_store(method, r, query)
@@ -784,6 +866,13 @@ class FakeK8s(LoopbackFake):
             return 200, self._watch(kind, spec, query)
         if method == "GET" and r.sub == "log":
             return 200, self._log(r.namespace, r.name, query)
+        propagation = _propagation(body, query) if method == "DELETE" else ""
+        if method == "PATCH":  # PatchResource checks the media type before it reads anything
+            refused = unsupported_patch(content_type, builtin=not r.group)
+            if refused is not None:
+                raise refused
+            if body is NOT_JSON:
+                raise ApiError(400, status_body(400, "BadRequest", "the body is not JSON"))
         with self._lock:
             current = self._objects.get(key)
             if current is None:
@@ -792,7 +881,7 @@ class FakeK8s(LoopbackFake):
                 self._step_script(key)
                 return 200, copy.deepcopy(self._objects[key])
             if method == "DELETE":
-                return 200, self._delete(key, _propagation(body, query))
+                return 200, self._delete(key, propagation)
             if method in ("PUT", "PATCH"):
                 if method == "PATCH":
                     body = merge_patch(copy.deepcopy(current), body)
@@ -1020,6 +1109,17 @@ class FakeK8s(LoopbackFake):
         follow = (query.get("follow") or [""])[0].lower() in ("true", "1")
         tail = (query.get("tailLines") or [""])[0]
         container = (query.get("container") or [""])[0]
+        if tail:
+            try:
+                n = int(tail)
+            except ValueError:
+                raise ApiError(400, status_body(400, "BadRequest", "tailLines")) from None
+            if n < 0:  # ValidatePodLogOptions
+                message = f'PodLogOptions "{name}" is invalid: tailLines: Invalid value: {n}: '
+                raise ApiError(
+                    422,
+                    status_body(422, "Invalid", message + "must be greater than or equal to 0"),
+                )
         with self._lock:
             pod = self._objects.get(("pods", ns, name))
             if pod is None:
@@ -1060,12 +1160,9 @@ class FakeK8s(LoopbackFake):
             text = self._logs.get((ns, name), "")
             start = 0
             if tail:
-                try:
-                    n = int(tail)
-                except ValueError:
-                    raise ApiError(400, status_body(400, "BadRequest", "tailLines")) from None
-                kept = "".join(text.splitlines(keepends=True)[-n:]) if n > 0 else ""
-                start = len(text) - len(kept)
+                start = tail_line_start(text, n := int(tail))
+                if not follow:  # ReadLogs' limited mode: at most n lines from there
+                    return "".join(_LOG_LINE.findall(text[start:])[:n])
             if not follow:
                 return text[start:]
             epoch = self._epoch
@@ -1143,6 +1240,8 @@ class FakeK8s(LoopbackFake):
         for mutate in list(self._mutators.get(plural, [])):
             body = mutate(self, body, ns)
         self._check(plural, kind, ns, body)
+        for check in list(self._validators_hooks.get(plural, [])):
+            check(self, copy.deepcopy(body), None, ns)
         name = body["metadata"]["name"]
         key = (plural, ns, name)
         if key in self._objects:
@@ -1181,6 +1280,8 @@ class FakeK8s(LoopbackFake):
                     "been modified; please apply your changes to the latest version and try again",
                 ),
             )
+        for check in list(self._validators_hooks.get(plural, [])):
+            check(self, copy.deepcopy(body), copy.deepcopy(current), ns)
         obj = copy.deepcopy(body)
         meta = obj.setdefault("metadata", {})
         for name_ in ("uid", "creationTimestamp", "generation"):
@@ -1280,13 +1381,46 @@ def _line(event: dict[str, Any]) -> bytes:
     return json.dumps(event).encode() + b"\n"
 
 
+PROPAGATION_POLICIES = ("Foreground", "Background", "Orphan")
+
+
 def _propagation(body: Any, query: dict[str, list[str]]) -> str:
-    """DeleteOptions.propagationPolicy from the body or the query (default Background)."""
-    if isinstance(body, dict) and body.get("propagationPolicy"):
-        return str(body["propagationPolicy"])
-    if isinstance(body, dict) and body.get("orphanDependents") is True:
-        return "Orphan"
-    return (query.get("propagationPolicy") or ["Background"])[0]
+    """DeleteOptions.propagationPolicy from the body or the query (default Background),
+    validated as the delete handler does before it looks the object up
+    (ValidateDeleteOptions: 422 DeleteOptions.meta.k8s.io "" is invalid)."""
+    options = dict(body) if isinstance(body, dict) else {}
+    for key in ("propagationPolicy", "orphanDependents"):
+        if key not in options and key in query:
+            value: Any = query[key][0]
+            options[key] = value.lower() == "true" if key == "orphanDependents" else value
+    policy, orphan = options.get("propagationPolicy"), options.get("orphanDependents")
+    errors = []
+    if orphan is not None and policy is not None:
+        errors.append(
+            f'propagationPolicy: Invalid value: "{policy}": orphanDependents and '
+            "deletionPropagation cannot be both set"
+        )
+    if policy is not None and policy not in PROPAGATION_POLICIES:
+        errors.append(
+            f'propagationPolicy: Unsupported value: "{policy}": supported values: '
+            '"Foreground", "Background", "Orphan", "nil"'
+        )
+    if errors:
+        why = errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
+        raise ApiError(
+            422,
+            status_body(
+                422,
+                "Invalid",
+                f'DeleteOptions.meta.k8s.io "" is invalid: {why}',
+                name="",
+                group="meta.k8s.io",
+                kind="DeleteOptions",
+            ),
+        )
+    if policy is not None:
+        return str(policy)
+    return "Orphan" if orphan is True else "Background"
 
 
 def parse_route(path: str) -> Route | None:
@@ -1367,13 +1501,12 @@ class _Handler(JsonHandler):
         try:
             body = self._read_json()
         except ValueError:
-            self._send(400, status_body(400, "BadRequest", "the body is not JSON"))
-            return
-        kind = self.headers.get("Content-Type", "")
-        if self.command == "PATCH" and "merge-patch" not in kind:
-            self._send(415, status_body(415, "UnsupportedMediaType", f"only merge patch: {kind}"))
-            return
-        code, out = self.fake.handle(self.command, self.path, body)
+            if self.command != "PATCH":
+                self._send(400, status_body(400, "BadRequest", "the body is not JSON"))
+                return
+            body = NOT_JSON  # an apply patch is YAML: its media type decides first
+        content_type = self.headers.get("Content-Type", "")
+        code, out = self.fake.handle(self.command, self.path, body, content_type)
         if isinstance(out, Stream):
             self._stream(code, out)
         else:

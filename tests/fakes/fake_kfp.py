@@ -32,8 +32,10 @@ No pipeline runs. What makes it worth having is that every body is checked the w
 API server checks it:
 
 - a body has only fields of its kfp_server_api model (V2beta1Run, V2beta1RecurringRun,
-  V2beta1Pipeline, and nested RuntimeConfig, Trigger, CronSchedule, PipelineVersionReference),
-  a display_name, and an experiment_id of an experiment that exists;
+  V2beta1Pipeline, and nested RuntimeConfig, Trigger, CronSchedule, PipelineVersionReference)
+  and a display_name; a run goes to the experiment it names (404 when there is none) or,
+  without one, to the default experiment `Default` (created when missing; multi-user mode:
+  400), as GetValidExperimentNamespacePair does;
 - pipeline_spec (inline, bare, or `{pipeline_spec, platform_spec}` as the client sends a spec
   with a platform part; or the uploaded YAML) parses as the PipelineSpec (and PlatformSpec)
   protobuf of kfp-pipeline-spec, has pipelineInfo.name, root.dag and deploymentSpec, and
@@ -50,7 +52,8 @@ API server checks it:
   JSON value fits the declared parameterType (NUMBER_INTEGER: an integral number,
   NUMBER_DOUBLE: a number, STRING, BOOLEAN, LIST, STRUCT; a bool is never a number), and no
   required root parameter (no default, not optional) is left out;
-- a recurring run has mode ENABLE or DISABLE, max_concurrency 1 to 10, and one trigger: a
+- a recurring run's mode is a RecurringRun.Mode (ENABLE enables it; DISABLE,
+  MODE_UNSPECIFIED or none disable it), max_concurrency is 1 to 10, and one trigger: a
   cron_schedule whose cron robfig/cron v1.2.0's `cron.Parse` accepts (the parser KFP's
   server and ScheduledWorkflow controller use: 5-6 fields, seconds first) or a
   periodic_schedule of at least 1 s.
@@ -116,8 +119,12 @@ PERIODIC_FIELDS = frozenset(kfp_server_api.V2beta1PeriodicSchedule.attribute_map
 VERSION_REF_FIELDS = frozenset(
     kfp_server_api.V2beta1PipelineVersionReference.attribute_map.values()
 )
-RECURRING_RUN_MODES = frozenset(kfp_server_api.RecurringRunMode.allowable_values) - {
-    "MODE_UNSPECIFIED"
+# RecurringRun.Mode (backend/api/v2beta1/recurring_run.proto): protojson reads the name or
+# the number; toModelJobEnabled enables ENABLE only (MODE_UNSPECIFIED, or no mode: disabled).
+RECURRING_RUN_MODES = {
+    name: number
+    for number, name in enumerate(("MODE_UNSPECIFIED", "ENABLE", "DISABLE"))
+    if name in kfp_server_api.RecurringRunMode.allowable_values
 }
 
 # list responses' JSON keys as the models read them (the proto names: `recurringRuns`)
@@ -515,7 +522,11 @@ class FakeKfp(LoopbackFake):
             self._reject("create experiment", errors)
         for e in self.experiments.values():
             if e["display_name"] == name and e.get("namespace", "") == namespace:
-                raise _Reply(_ALREADY_EXISTS, f"Experiment {name} already exists")
+                raise _Reply(  # experiment_store.go CreateExperiment: NewAlreadyExistError
+                    _ALREADY_EXISTS,
+                    f"Failed to create a new experiment. The name {name} already exists. "
+                    "Please specify a new name",
+                )
         description = body.get("description")
         return copy.deepcopy(self._store_experiment(str(name), namespace, description))
 
@@ -536,6 +547,40 @@ class FakeKfp(LoopbackFake):
         self.experiments[exp["experiment_id"]] = exp
         return exp
 
+    def _experiment_of(self, what: str, body: dict[str, Any], errors: list[str]) -> str:
+        """The experiment a run or recurring run goes to (resource_manager.go
+        GetValidExperimentNamespacePair): the one named, 404 when there is none; without one,
+        400 in multi-user mode, else the default experiment (`Default`, created if missing).
+        Checked after the body's other errors (`errors`), which are answered first."""
+        exp_id = body.get("experiment_id")
+        if not exp_id and self.multi_user:
+            errors.append("experiment_id: Experiment id can not be empty in multi-user mode")
+            return ""
+        if not exp_id:
+            namespace = body.get("namespace") or ""
+            for existing in self.experiments.values():
+                if existing["display_name"] == "Default" and existing.get("namespace", "") == (
+                    namespace
+                ):
+                    return str(existing["experiment_id"])
+            default = self._store_experiment(
+                "Default",
+                namespace,
+                "All runs created without specifying an experiment will be grouped here.",
+            )
+            return str(default["experiment_id"])
+        if not isinstance(exp_id, str) or exp_id not in self.experiments:
+            if errors:
+                self._reject(f"create {what}", errors)
+            missing = (
+                f"Failed to create a {what} due to invalid experimentId and namespace "
+                f"combination: Failed to fetch namespace for experiment {exp_id}: Experiment "
+                f"{exp_id} not found"
+            )
+            self.errors.append(missing)
+            raise _Reply(_NOT_FOUND, missing)
+        return exp_id
+
     # -- runs
 
     def _create_run(self, body: Any) -> dict[str, Any]:
@@ -545,11 +590,7 @@ class FakeKfp(LoopbackFake):
         name = body.get("display_name")
         if not isinstance(name, str) or not name.strip():
             errors.append("display_name: required")
-        exp_id = body.get("experiment_id")
-        if not exp_id:
-            errors.append("experiment_id: required")
-        elif not isinstance(exp_id, str) or exp_id not in self.experiments:
-            errors.append(f"experiment_id: experiment {exp_id} not found")
+        exp_id = self._experiment_of("run", body, errors)
         errors += self._spec_and_parameters(body)
         if errors:
             self._reject("create run", errors)
@@ -564,8 +605,9 @@ class FakeKfp(LoopbackFake):
             state="PENDING",
             state_history=[{"update_time": now, "state": "PENDING"}],
         )
+        run["experiment_id"] = exp_id
         self.runs[run["run_id"]] = run
-        self.experiments[str(exp_id)]["last_run_created_at"] = now
+        self.experiments[exp_id]["last_run_created_at"] = now
         return copy.deepcopy(run)
 
     def _spec_and_parameters(self, body: dict[str, Any]) -> list[str]:
@@ -776,13 +818,20 @@ class FakeKfp(LoopbackFake):
         name = body.get("display_name")
         if not isinstance(name, str) or not name.strip():
             errors.append("display_name: Recurring run's name cannot be empty")
-        exp_id = body.get("experiment_id")
-        if not exp_id:
-            errors.append("experiment_id: required")
-        elif not isinstance(exp_id, str) or exp_id not in self.experiments:
-            errors.append(f"experiment_id: experiment {exp_id} not found")
-        if body.get("mode") not in RECURRING_RUN_MODES:
-            errors.append(f"mode: must be ENABLE or DISABLE, got {body.get('mode')!r}")
+        exp_id = self._experiment_of("recurring run", body, errors)
+        mode = body.get("mode", "MODE_UNSPECIFIED")
+        number = RECURRING_RUN_MODES.get(mode) if isinstance(mode, str) else _int64(mode)
+        if number is None:  # the gateway's protojson decode: InvalidArgument
+            errors.append(f'mode: invalid value for enum field mode: "{mode}"')
+        elif number not in RECURRING_RUN_MODES.values():  # toModelJobEnabled's default
+            message = (
+                "Internal error: Failed to convert a API recurring run to its internal "
+                "representation due to parsing error occurred in its mode field: Failed to "
+                "convert API recurring run's mode to its internal representation: "
+                f"Recurring run's mode is invalid: {number}"
+            )
+            self.errors.append(message)
+            raise _Reply(_INTERNAL, message)
         concurrency = _int64(body.get("max_concurrency", 0))
         if concurrency is None or not 1 <= concurrency <= 10:
             errors.append(
@@ -796,16 +845,18 @@ class FakeKfp(LoopbackFake):
         if errors:
             self._reject("create recurring run", errors)
         now = _now()
-        enabled = body["mode"] == "ENABLE"
+        enabled = number == RECURRING_RUN_MODES["ENABLE"]
         run = copy.deepcopy(body)
         run.update(
             recurring_run_id=str(uuid.uuid4()),
+            mode="ENABLE" if enabled else "DISABLE",  # toApiRecurringRun: from Enabled
             max_concurrency=str(concurrency),  # int64: a string in protojson
             created_at=now,
             updated_at=now,
             status="ENABLED" if enabled else "DISABLED",
         )
-        namespace = self.experiments[str(exp_id)].get("namespace")
+        run["experiment_id"] = exp_id
+        namespace = self.experiments[exp_id].get("namespace")
         if namespace:
             run["namespace"] = namespace
         self.recurring_runs[run["recurring_run_id"]] = run

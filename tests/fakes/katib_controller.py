@@ -4,10 +4,11 @@ A FAKE, for tests only. It follows kubeflow/katib (pkg/controller.v1beta1, pkg/a
 pkg/metricscollector) and cites the code each behaviour comes from:
 
 - defaults (experiment_defaults.go SetDefault, applied in memory, not written back):
-  parallelTrialCount 3; the objective's metricStrategy min/max by objective type, additional
-  metrics the same; StdOut metrics collector; for Kubeflow jobs successCondition
-  `status.conditions.#(type=="Succeeded")#|#(status=="True")#`, failureCondition the same
-  with Failed, primaryPodLabels `training.kubeflow.org/job-role: master`.
+  parallelTrialCount 3; resumePolicy Never; the objective's metricStrategy min/max by
+  objective type, additional metrics the same; StdOut metrics collector; for Kubeflow jobs
+  successCondition `status.conditions.#(type=="Succeeded")#|#(status=="True")#`,
+  failureCondition the same with Failed, primaryPodLabels
+  `training.kubeflow.org/job-role: master`.
 - suggestions: Trials named `<experiment>-<8 random chars>` from apimachinery's rand
   alphabet (bcdfghjklmnpqrstvwxz2456789), label `katib.kubeflow.org/experiment`, a
   controller ownerReference to the Experiment, spec.parameterAssignments. Values come from a
@@ -31,6 +32,15 @@ pkg/metricscollector) and cites the code each behaviour comes from:
   (`TrialSucceeded. Job reason: ...`) when the objective metric was observed; when the
   objective never appeared in the log: MetricsUnavailable (`MetricsUnavailable. Job reason:
   ...`, "Metrics are not available. Job message: ..."). Running turns False at the end.
+- the experiment webhook (pkg/webhook/v1beta1/experiment/validation_webhook.go Handle,
+  validator/validator.go ValidateExperiment; registered on Experiment CREATE and UPDATE
+  through FakeK8s.on_validate, in every namespace): an Experiment in a namespace without
+  `katib.kubeflow.org/metrics-collector-injection: enabled` is refused (400, "Cannot create
+  the Experiment ... the namespace lacks label ..."); an edit may change only
+  parallelTrialCount, maxTrialCount and maxFailedTrialCount, a changed spec needs
+  maxTrialCount above status.trials, and a completed experiment takes no change unless it
+  succeeded by max trials with resumePolicy LongRunning or FromVolume. The create-time
+  checks are k8s_schemas.katib_semantics (answered 422 with the schema's errors).
 - the pod webhook (pkg/webhook/v1beta1/pod/inject_webhook.go Mutate, utils.go; registered
   on pod CREATE through FakeK8s.on_admit, before validation, as mutating admission runs),
   only in namespaces labelled `katib.kubeflow.org/metrics-collector-injection: enabled`
@@ -106,6 +116,8 @@ DB_MANAGER = "katib-db-manager.kubeflow:6789"  # GetDBManagerAddr with the defau
 COMPLETED = "completed"  # mccommon.TrainingCompleted
 EARLY_STOPPED = "early-stopped"  # mccommon.TrainingEarlyStopped
 INJECTION_LABEL = "katib.kubeflow.org/metrics-collector-injection"
+EXPERIMENT_VALIDATOR = "validator.experiment.katib.kubeflow.org"  # webhooks.yaml
+EDITABLE = ("parallelTrialCount", "maxTrialCount", "maxFailedTrialCount")
 DEFAULT_FILTER = r"([\w|-]+)\s*=\s*([+-]?\d*(\.\d+)?([Ee][+-]?\d+)?)"
 SUCCESS = 'status.conditions.#(type=="Succeeded")#|#(status=="True")#'
 FAILURE = 'status.conditions.#(type=="Failed")#|#(status=="True")#'
@@ -159,6 +171,7 @@ def with_defaults(experiment: dict[str, Any]) -> dict[str, Any]:
     """experiment_defaults.go SetDefault, on a copy."""
     spec = copy.deepcopy(experiment.get("spec") or {})
     spec.setdefault("parallelTrialCount", 3)
+    spec["resumePolicy"] = spec.get("resumePolicy") or "Never"
     objective = spec.setdefault("objective", {})
     strategies = objective.setdefault("metricStrategies", [])
     by = {"minimize": "min", "maximize": "max"}.get(objective.get("type", ""), "latest")
@@ -176,6 +189,63 @@ def with_defaults(experiment: dict[str, Any]) -> dict[str, Any]:
     if not template.get("primaryPodLabels"):
         template["primaryPodLabels"] = dict(PRIMARY_POD_LABELS)
     return spec
+
+
+def _semantic(value: Any) -> Any:
+    """A spec as equality.Semantic.DeepEqual compares it: an empty or null field is the
+    field left out."""
+    if isinstance(value, dict):
+        kept = {k: _semantic(v) for k, v in value.items()}
+        return {k: v for k, v in kept.items() if v not in (None, [], {})}
+    if isinstance(value, list):
+        return [_semantic(v) for v in value]
+    return value
+
+
+def _go_value(value: Any) -> str:
+    """A BadValue as field.Invalid prints it (%q for strings, %v otherwise)."""
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def experiment_update_errors(new: dict[str, Any], old: dict[str, Any]) -> list[str]:
+    """validator.go ValidateExperiment's checks of an edit (oldInst set), on the defaulted
+    specs (the defaulter webhook runs on UPDATE too; the stored object was defaulted at
+    create): a changed spec is a restart, refused for a completed experiment unless it
+    succeeded by max trials with resumePolicy LongRunning or FromVolume
+    (IsCompletedExperimentRestartable), and needs maxTrialCount above status.trials; only
+    parallelTrialCount, maxTrialCount and maxFailedTrialCount may change."""
+    spec, old_spec = _semantic(with_defaults(new)), _semantic(with_defaults(old))
+    status = old.get("status") or {}
+    errors = []
+    if spec != old_spec:
+        completed = is_true(status, "Succeeded") or is_true(status, "Failed")
+        succeeded = find_condition(status, "Succeeded") or {}
+        restartable = (
+            is_true(status, "Succeeded")
+            and succeeded.get("reason") == "ExperimentMaxTrialsReached"
+            and old_spec.get("resumePolicy") in ("LongRunning", "FromVolume")
+        )
+        if completed and not restartable:
+            errors.append(
+                f"spec.resumePolicy: Invalid value: {_go_value(spec.get('resumePolicy'))}: "
+                "Experiment can be restarted if it is in succeeded state by reaching max "
+                "trials and spec.resumePolicy = LongRunning or spec.resumePolicy = FromVolume, "
+                "when experiment is completed"
+            )
+        most = spec.get("maxTrialCount")
+        if most is not None and most <= status.get("trials", 0):
+            errors.append(
+                f"spec.maxTrialCount: Invalid value: {most}: must be greater than status.trials "
+                "count"
+            )
+    unchanged = {k: v for k, v in old_spec.items() if k not in EDITABLE}
+    unchanged.update({k: spec[k] for k in EDITABLE if k in spec})
+    if spec != unchanged:
+        errors.append(
+            "spec: Forbidden: only spec.parallelTrialCount, spec.maxTrialCount and "
+            "spec.maxFailedTrialCount are editable"
+        )
+    return errors
 
 
 def parse_metrics(log: str, names: list[str]) -> dict[str, list[str]]:
@@ -255,7 +325,37 @@ class Katib(Controller):
 
     def start(self) -> None:
         self.fake.on_admit("pods", self._mutate_pod)
+        self.fake.on_validate("experiments", self._validate_experiment)
         super().start()
+
+    # ------------------------------------------------------------ the experiment webhook
+
+    def _validate_experiment(
+        self, _fake: Any, body: dict[str, Any], old: dict[str, Any] | None, ns: str
+    ) -> None:
+        """validation_webhook.go Handle, on CREATE and UPDATE (no namespaceSelector: every
+        namespace): the namespace must carry the collector injection label, then an edit
+        must pass ValidateExperiment's update checks (the create-time checks are
+        k8s_schemas.katib_semantics). A refusal is admission.Errored(400): the API server
+        answers 400 `admission webhook "..." denied the request: <errors>`."""
+        name = (body.get("metadata") or {}).get("name", "")
+        if self.sim.namespace_labels[ns].get(INJECTION_LABEL) != "enabled":
+            why = (
+                f'Cannot create the Experiment "{name}" in namespace "{ns}": the namespace '
+                f'lacks label "{INJECTION_LABEL}: enabled"'
+            )
+        else:
+            errors = experiment_update_errors(body, old) if old is not None else []
+            if not errors:
+                return
+            # utilerrors.Aggregate: one error as it is, several as [e1, e2]
+            why = errors[0] if len(errors) == 1 else f"[{', '.join(errors)}]"
+        raise ApiError(
+            400,
+            status_body(
+                400, "", f'admission webhook "{EXPERIMENT_VALIDATOR}" denied the request: {why}'
+            ),
+        )
 
     # ------------------------------------------------------------ the pod webhook
 

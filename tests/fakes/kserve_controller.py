@@ -127,6 +127,7 @@ DISALLOWED_ANNOTATIONS = (
 )
 # constants.go GetProtocolVersionInt: the order runtimes are sorted by.
 PROTOCOL_ORDER = {"v1": 1, "v2": 2, "grpc-v1": 3, "grpc-v2": 4}
+PROTOCOL_UNKNOWN = 5  # constants.go ProtocolVersion Unknown
 # python/huggingfaceserver/huggingfaceserver/__init__.py Backend.
 HF_BACKENDS = ("auto", "huggingface", "vllm")
 # The ModelSpec fields that are not container fields (predictor_model.go ModelSpec,
@@ -385,6 +386,54 @@ def replace_placeholders(container: dict[str, Any], meta: dict[str, Any]) -> dic
     return dict(json.loads(re.sub(r"\{\{\s*\.([A-Za-z.\-_/]+)\s*\}\}", value, text)))
 
 
+def runtime_container_error(spec: dict[str, Any]) -> str | None:
+    """Why a selected runtime's containers cannot serve (the modelStatus InvalidSpec message,
+    reason InvalidPredictorSpec): none at all (predictor.go buildPodSpec ErrNoContainerFound),
+    or none named kserve-container (utils.go MergeServingRuntimeAndInferenceServiceSpecs)."""
+    containers = spec.get("containers") or []
+    if not containers:
+        return "no container configuration found in selected serving runtime"
+    if not any(c.get("name") == CONTAINER for c in containers):
+        return f"failed to find {CONTAINER} in ServingRuntime containers"
+    return None
+
+
+def protocol_version_priority(spec: dict[str, Any]) -> int:
+    """predictor_model.go GetProtocolVersionPriority: the lowest of the runtime's protocol
+    versions (v1 1, v2 2, grpc-v1 3, grpc-v2 4, any other 5), 5 (Unknown) when none."""
+    ranks = [PROTOCOL_ORDER.get(p, PROTOCOL_UNKNOWN) for p in spec.get("protocolVersions") or []]
+    return min(ranks) if ranks else PROTOCOL_UNKNOWN
+
+
+def runtime_priority(spec: dict[str, Any], fmt: str | None) -> int | None:
+    """servingruntime_types.go GetPriority: the priority of the first supported format of
+    that name (None when it has none, or no format has the name)."""
+    for f in spec.get("supportedModelFormats") or []:
+        if f.get("name") == fmt:
+            priority = f.get("priority")
+            return int(priority) if priority is not None else None
+    return None
+
+
+def sort_supported_runtimes(
+    runtimes: list[dict[str, Any]], fmt: str | None
+) -> list[dict[str, Any]]:
+    """The order GetSupportingRuntimes gives one scope's runtimes: sortServingRuntimeList
+    (protocol version priority ascending, then newer creationTimestamp first, then name),
+    then sortSupportedRuntimeByPriority (stable: a runtime with a priority for the format
+    before one without, higher first; ties keep the first order)."""
+    out = sorted(runtimes, key=lambda r: r["metadata"]["name"])
+    out.sort(key=lambda r: r["metadata"]["creationTimestamp"], reverse=True)
+    out.sort(key=lambda r: protocol_version_priority(r["spec"]))
+
+    def by_priority(r: dict[str, Any]) -> tuple[bool, int]:
+        priority = runtime_priority(r["spec"], fmt)
+        return (priority is None, -(priority or 0))
+
+    out.sort(key=by_priority)
+    return out
+
+
 class KServe(Controller):
     name = "kserve"
 
@@ -448,6 +497,12 @@ class KServe(Controller):
                 self._write(key, isvc, self._invalid_spec(status, *found))
                 return
             runtime = found
+            why = runtime_container_error(runtime["spec"])
+            if (
+                why
+            ):  # predictor.go buildPodSpec / utils.go MergeServingRuntimeAndInferenceServiceSpecs
+                self._write(key, isvc, self._invalid_spec(status, "InvalidPredictorSpec", why))
+                return
             kind, name = runtime["kind"], runtime["metadata"]["name"]
             field_name = (
                 "clusterServingRuntimeName"
@@ -542,11 +597,7 @@ class KServe(Controller):
                 and label in self._labels(r["spec"], explicit=False)
                 and self._speaks(r["spec"], protocol or "v1")
             ]
-            # sortServingRuntimeList, then sortSupportedRuntimeByPriority (stable)
-            candidates.sort(key=lambda r: r["metadata"]["name"])
-            candidates.sort(key=lambda r: r["metadata"]["creationTimestamp"], reverse=True)
-            candidates.sort(key=lambda r: self._protocol_rank(r["spec"]))
-            candidates.sort(key=lambda r: -self._priority(r["spec"], fmt.get("name")))
+            candidates = sort_supported_runtimes(candidates, fmt.get("name"))
             if candidates:
                 return candidates[0]
         return "NoSupportingRuntime", "No runtime found to support specified framework/version"
@@ -567,18 +618,6 @@ class KServe(Controller):
         """servingruntime_types.go IsProtocolVersionSupported."""
         versions = spec.get("protocolVersions") or []
         return not versions or protocol in versions
-
-    @staticmethod
-    def _protocol_rank(spec: dict[str, Any]) -> int:
-        ranks = [PROTOCOL_ORDER.get(p, 0) for p in spec.get("protocolVersions") or []]
-        return min(ranks) if ranks else 0
-
-    @staticmethod
-    def _priority(spec: dict[str, Any], fmt: str | None) -> int:
-        for f in spec.get("supportedModelFormats") or []:
-            if f.get("name") == fmt and f.get("priority") is not None:
-                return int(f["priority"])
-        return -1  # no priority sorts after any priority
 
     # ------------------------------------------------------------ revisions
 
@@ -645,8 +684,8 @@ class KServe(Controller):
                 (c for c in runtime_spec.get("containers") or [] if c.get("name") == CONTAINER),
                 None,
             )
-            if base is None:  # predictor.go buildPodSpec ErrNoContainerFound
-                raise _CannotRun("no container configuration found in selected serving runtime")
+            if base is None:  # refused before (runtime_container_error)
+                raise _CannotRun(f"failed to find {CONTAINER} in ServingRuntime containers")
             real = replace_placeholders(merge_runtime_container(base, model), meta)
             annotations[RUNTIME_CONTAINER_ANNOTATION] = json.dumps(real, sort_keys=True)
             volumes = _merge_named(runtime_spec.get("volumes") or [], volumes, "name")

@@ -85,18 +85,24 @@ def test_create_is_what_the_registry_does() -> None:
         assert core.create_namespaced_pod("default", pod).status.phase == "Pending"
 
 
-def _patch(fake: FakeK8s, content_type: str, body: Any) -> int:
+def _patch(fake: FakeK8s, content_type: str, body: Any, path: str = "") -> int:
+    return _patch_reply(fake, content_type, body, path)[0]
+
+
+def _patch_reply(
+    fake: FakeK8s, content_type: str, body: Any, path: str = ""
+) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(
-        f"{fake.url}/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/j",
+        fake.url + (path or "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/j"),
         data=json.dumps(body).encode(),
         method="PATCH",
         headers={"Content-Type": content_type},
     )
     try:
         with urllib.request.urlopen(request, timeout=10) as resp:
-            return int(resp.status)
+            return int(resp.status), json.loads(resp.read())
     except urllib.error.HTTPError as e:
-        return e.code
+        return e.code, json.loads(e.read())
 
 
 def test_only_merge_patch_is_served() -> None:
@@ -105,22 +111,51 @@ def test_only_merge_patch_is_served() -> None:
         labels = {"metadata": {"labels": {"a": "b"}}}
         assert _patch(fake, "application/merge-patch+json", labels) == 200
         assert (fake.get_object("pytorchjobs", "j") or {})["metadata"]["labels"]["a"] == "b"
+        # PatchResource drops a "; charset=" parameter before it compares the media type
+        assert _patch(fake, "application/merge-patch+json; charset=utf-8", labels) == 200
         # stricter than a CRD's handler (which also takes JSON patch): see UPSTREAM.md
         op = [{"op": "add", "path": "/metadata/labels/c", "value": "d"}]
-        assert _patch(fake, "application/json-patch+json", op) == 415
+        code, body = _patch_reply(fake, "application/json-patch+json", op)
+        assert code == 415 and body["reason"] == "UnsupportedMediaType"
+        assert "applies only application/merge-patch+json" in body["message"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fake_k8s _Handler._serve tests `'merge-patch' in Content-Type`, which a strategic "
-    "merge patch also passes; a CRD's handler answers it 415 (UPSTREAM.md). Remove this mark "
-    "when the fake checks the media type exactly.",
-)
 def test_strategic_merge_patch_is_refused_on_custom_resources() -> None:
     with FakeK8s(rbac=None) as fake:
         fake.create_object("pytorchjobs", job())
         labels = {"metadata": {"labels": {"a": "b"}}}
-        assert _patch(fake, "application/strategic-merge-patch+json", labels) == 415
+        code, body = _patch_reply(fake, "application/strategic-merge-patch+json", labels)
+        assert (code, body["reason"], body["code"]) == (415, "UnsupportedMediaType", 415)
+        assert body["message"] == (
+            "the body of the request was in an unknown format - accepted media types include: "
+            "application/json-patch+json, application/merge-patch+json, "
+            "application/apply-patch+yaml"
+        )
+        assert "a" not in (fake.get_object("pytorchjobs", "j") or {})["metadata"]["labels"]
+        # the media type is checked before the object is looked up: 415, not 404
+        missing = "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs/nope"
+        assert _patch(fake, "application/strategic-merge-patch+json", labels, missing) == 415
+    # RBAC (a filter) answers before the handler: a refused patch is 403, not 415
+    with FakeK8s() as fake:
+        fake.create_object("pytorchjobs", job())
+        assert _patch(fake, "application/strategic-merge-patch+json", labels) == 403
+
+
+def test_a_pods_strategic_merge_patch_is_served_upstream_but_not_applied_here() -> None:
+    with FakeK8s(rbac=None) as fake:
+        fake.add_pod("default", "p", {})
+        labels = {"metadata": {"labels": {"a": "b"}}}
+        pod = "/api/v1/namespaces/default/pods/p"
+        # the built-in kinds' handler serves strategic merge patch; the fake refuses it
+        code, body = _patch_reply(fake, "application/strategic-merge-patch+json", labels, pod)
+        assert code == 415 and "applies only application/merge-patch+json" in body["message"]
+        # a media type no handler serves gets upstream's list of the built-in kinds' types
+        code, body = _patch_reply(fake, "application/json", labels, pod)
+        assert code == 415 and body["message"].endswith(
+            "application/json-patch+json, application/merge-patch+json, "
+            "application/strategic-merge-patch+json, application/apply-patch+yaml"
+        )
+        assert _patch(fake, "application/merge-patch+json", labels, pod) == 200
 
 
 def test_the_status_subresource_changes_only_the_status() -> None:
@@ -220,6 +255,12 @@ WEBHOOK_CASES = [
     ),
     WebhookCase("job-replica-type", "pytorchjobs", _replica("Chief"), "unsupported replica type"),
     WebhookCase(
+        "job-restart-policy",
+        "pytorchjobs",
+        lambda b: b["spec"]["pytorchReplicaSpecs"]["Master"].update(restartPolicy="Sometimes"),
+        "Master.restartPolicy: unsupported value Sometimes",
+    ),
+    WebhookCase(
         "job-two-masters",
         "pytorchjobs",
         lambda b: b["spec"]["pytorchReplicaSpecs"]["Master"].update(replicas=2),
@@ -304,3 +345,28 @@ def test_workqueue_dedups_add_and_keeps_every_add_after() -> None:
     queue._immediate.discard(key)  # what _run does when it takes the key
     queue.enqueue(key)  # once taken, an Add queues it again
     assert len(queue._heap) == 3
+
+
+def test_delete_options_are_validated_before_the_object_is_looked_up() -> None:
+    """delete.go: ValidateDeleteOptions, 422 DeleteOptions.meta.k8s.io "" is invalid."""
+    with FakeK8s(rbac=None) as fake:
+        api = k8s.CustomObjectsApi(fake.api_client())
+        fake.create_object("pytorchjobs", job())
+        for name in ("j", "missing"):  # the options first: 422 even for a missing object
+            with pytest.raises(ApiException) as info:
+                api.delete_namespaced_custom_object(*JOBS, name, propagation_policy="Later")
+            assert info.value.status == 422
+            assert json.loads(info.value.body)["message"] == (
+                'DeleteOptions.meta.k8s.io "" is invalid: propagationPolicy: Unsupported value: '
+                '"Later": supported values: "Foreground", "Background", "Orphan", "nil"'
+            )
+        both = k8s.V1DeleteOptions(propagation_policy="Orphan", orphan_dependents=True)
+        with pytest.raises(ApiException) as info:
+            api.delete_namespaced_custom_object(*JOBS, "j", body=both)
+        assert info.value.status == 422
+        assert "orphanDependents and deletionPropagation cannot be both set" in str(
+            json.loads(info.value.body)["message"]
+        )
+        assert fake.get_object("pytorchjobs", "j") is not None
+        api.delete_namespaced_custom_object(*JOBS, "j", propagation_policy="Orphan")
+        assert fake.get_object("pytorchjobs", "j") is None

@@ -32,3 +32,16 @@ def test_multi_user_mode_is_announced_and_needs_a_namespace() -> None:
         assert ok.ok
     with FakeKfp() as fake:
         assert requests.get(f"{fake.url}{API}/healthz", timeout=10).json()["multi_user"] is False
+
+
+def test_experiment_names_are_unique_per_namespace() -> None:
+    # model/experiment.go: uniqueIndex idx_name_namespace; experiment_store.go's 409
+    with FakeKfp() as fake:
+        assert _post(fake, "/experiments", {"display_name": "e", "namespace": "a"}).ok
+        assert _post(fake, "/experiments", {"display_name": "e", "namespace": "b"}).ok
+        again = _post(fake, "/experiments", {"display_name": "e", "namespace": "a"})
+        assert again.status_code == 409 and again.json()["code"] == 6
+        assert again.json()["message"] == (
+            "Failed to create a new experiment. The name e already exists. Please specify a "
+            "new name"
+        )

@@ -1,7 +1,9 @@
 """Pod rules of fakes/fake_k8s.py that no other test pins (rows in
-tests/fakes/upstream.d/pins.md): the log's container selection and the pod field labels."""
+tests/fakes/UPSTREAM.md): the log's container selection and tail, and the pod field labels."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from kubernetes import client as k8s
@@ -41,3 +43,30 @@ def test_pod_field_selectors_take_the_pod_labels_and_refuse_others(fake_k8s: Fak
     with pytest.raises(ApiException) as info:
         core.list_namespaced_pod("default", field_selector="spec.containers=main")
     assert info.value.status == 400 and "field label not supported" in info.value.body
+
+
+def test_tail_lines_count_complete_lines_as_the_kubelets_log_reader_does(
+    fake_k8s: FakeK8s,
+) -> None:
+    """cri-client logs: findTailLineStartIndex (a last line without "\\n" is not counted)
+    and ReadLogs' limited mode (at most tailLines lines); ValidatePodLogOptions refuses a
+    negative tailLines."""
+    core = k8s.CoreV1Api(fake_k8s.api_client())
+    fake_k8s.add_pod("default", "p", {}, phase="Running")
+    fake_k8s.append_log("default", "p", "a\nb\nc")  # "c" is still being written
+
+    def tail(n: int) -> str:
+        data = core.read_namespaced_pod_log("p", "default", tail_lines=n, _preload_content=False)
+        return str(data.data.decode())
+
+    assert tail(1) == "b\n"  # the last complete line; the partial one is past the limit
+    assert tail(2) == "a\nb\n"
+    assert tail(5) == "a\nb\nc"  # fewer lines than asked: all of it
+    assert tail(0) == ""
+    with pytest.raises(ApiException) as info:
+        tail(-1)
+    assert info.value.status == 422
+    assert json.loads(info.value.body)["message"] == (
+        'PodLogOptions "p" is invalid: tailLines: Invalid value: -1: must be greater than or '
+        "equal to 0"
+    )

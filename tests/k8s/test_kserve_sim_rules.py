@@ -3,12 +3,16 @@ pure functions ported from kserve/kserve, checked without starting a cluster."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fakes.kserve_controller import (
     DISALLOWED_ANNOTATIONS,
     ksvc_traffic,
     merge_runtime_container,
     parse_deployment_mode,
     replace_placeholders,
+    runtime_container_error,
+    sort_supported_runtimes,
 )
 
 
@@ -64,3 +68,56 @@ def test_the_disallowed_annotations_are_kserves() -> None:
 
 def test_the_model_format_annotation_key_is_kserves() -> None:
     assert "modelFormat" in DISALLOWED_ANNOTATIONS
+
+
+def _runtime(
+    name: str, created: str, protocols: list[str] | None = None, priority: int | None = None
+) -> dict[str, Any]:
+    fmt: dict[str, Any] = {"name": "huggingface", "autoSelect": True}
+    if priority is not None:
+        fmt["priority"] = priority
+    spec: dict[str, Any] = {"supportedModelFormats": [fmt]}
+    if protocols is not None:
+        spec["protocolVersions"] = protocols
+    return {"metadata": {"name": name, "creationTimestamp": created}, "spec": spec}
+
+
+def test_supporting_runtimes_are_ordered_as_kserve_orders_them() -> None:
+    # predictor_model.go sortServingRuntimeList, then sortSupportedRuntimeByPriority
+    old, new = "2026-01-01T00:00:00Z", "2026-02-01T00:00:00Z"
+    runtimes = [
+        _runtime("b", old, ["v1"]),
+        _runtime("a", old, ["v1"]),
+        _runtime("newer", new, ["v1"]),
+        _runtime("v2-only", new, ["v2"]),
+        _runtime("no-protocols", new),  # GetProtocolVersionPriority: Unknown, last
+        _runtime("unknown-protocol", new, ["custom"]),
+    ]
+    order = [r["metadata"]["name"] for r in sort_supported_runtimes(runtimes, "huggingface")]
+    assert order == ["newer", "a", "b", "v2-only", "no-protocols", "unknown-protocol"]
+    # a priority for the model's format goes first, the higher one first; ties keep the order
+    runtimes += [_runtime("p1", old, ["v2"], 1), _runtime("p5", old, ["grpc-v2"], 5)]
+    runtimes += [_runtime("p1-newer", new, ["v2"], 1)]
+    order = [r["metadata"]["name"] for r in sort_supported_runtimes(runtimes, "huggingface")]
+    assert order[:3] == ["p5", "p1-newer", "p1"]
+    assert order[3:] == ["newer", "a", "b", "v2-only", "no-protocols", "unknown-protocol"]
+    # the priority is that of the first format of the model's name (GetPriority)
+    twice = _runtime("twice", old, ["v1"])
+    twice["spec"]["supportedModelFormats"].append({"name": "huggingface", "priority": 9})
+    assert (
+        sort_supported_runtimes([_runtime("p1", old, ["v1"], 1), twice], "huggingface")[0][
+            "metadata"
+        ]["name"]
+        == "p1"
+    )
+
+
+def test_a_runtime_without_kserves_container_is_an_invalid_predictor_spec() -> None:
+    # predictor.go buildPodSpec, utils.go MergeServingRuntimeAndInferenceServiceSpecs
+    assert runtime_container_error({"containers": []}) == (
+        "no container configuration found in selected serving runtime"
+    )
+    assert runtime_container_error({"containers": [{"name": "server", "image": "x"}]}) == (
+        "failed to find kserve-container in ServingRuntime containers"
+    )
+    assert runtime_container_error({"containers": [{"name": "kserve-container"}]}) is None

@@ -458,6 +458,40 @@ def pod_body(name: str, code: str, **extra: Any) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
 
 
+def test_a_missing_executable_is_the_runtimes_start_error(sim: SimCluster) -> None:
+    """containerd's StartContainer: a process that cannot start is exit code 128, reason
+    StartError, the runtime's error as the message."""
+    body = pod_body("nox", "")
+    body["spec"]["containers"][0]["command"] = ["kubellm-no-such-executable"]
+    sim.fake.create_object("pods", body)
+    sim.wait_for(
+        lambda: (
+            (sim.fake.get_object("pods", "nox") or {}).get("status", {}).get("phase") == "Failed"
+        ),
+        what="the pod fails",
+    )
+    (status,) = (sim.fake.get_object("pods", "nox") or {})["status"]["containerStatuses"]
+    terminated = status["state"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (128, "StartError")
+    assert (
+        'exec: "kubellm-no-such-executable": executable file not found in $PATH'
+        in (terminated["message"])
+    )
+
+
+def test_a_pod_whose_claim_does_not_exist_is_unschedulable(sim: SimCluster) -> None:
+    """VolumeBinding PreFilter: the claim's NotFound error is the FitError's PreFilter part."""
+    body = pod_body("claims", "pass")
+    body["spec"]["volumes"] = [{"name": "w", "persistentVolumeClaim": {"claimName": "nope"}}]
+    sim.fake.create_object("pods", body)
+    sim.wait_for(lambda: condition(sim.fake.get_object("pods", "claims"), "PodScheduled"))
+    scheduled = condition(sim.fake.get_object("pods", "claims"), "PodScheduled")
+    assert (scheduled["status"], scheduled["reason"]) == ("False", "Unschedulable")
+    assert (
+        scheduled["message"] == '0/1 nodes are available: persistentvolumeclaim "nope" not found.'
+    )
+
+
 def test_env_from_secrets_and_fields_and_config_errors(sim: SimCluster) -> None:
     sim.secrets[("default", "tokens")] = {"hf": "s3cr3t"}
     env = [
@@ -769,12 +803,23 @@ def test_trials_without_the_objective_metric_are_metrics_unavailable(sim: SimClu
 
 
 def test_without_the_collector_injection_label_trials_never_report(sim: SimCluster) -> None:
+    # Katib's experiment webhook refuses an Experiment in a namespace without the label...
     sim.namespace_labels["default"] = {}
     api = k8s.CustomObjectsApi(sim.api_client())
-    api.create_namespaced_custom_object(
-        *EXPERIMENTS,
-        experiment("blind", "print('eval_loss=X')", max_trials=1, parallelTrialCount=1),
+    body = experiment("blind", "print('eval_loss=X')", max_trials=1, parallelTrialCount=1)
+    with pytest.raises(k8s.ApiException) as info:
+        api.create_namespaced_custom_object(*EXPERIMENTS, body)
+    assert info.value.status == 400
+    assert json.loads(info.value.body)["message"] == (
+        'admission webhook "validator.experiment.katib.kubeflow.org" denied the request: '
+        'Cannot create the Experiment "blind" in namespace "default": the namespace lacks '
+        'label "katib.kubeflow.org/metrics-collector-injection: enabled"'
     )
+    # ...but the pod webhook's namespaceSelector is read when a trial's pods are created:
+    # a label taken away after the Experiment was made leaves the pods without a collector
+    sim.namespace_labels["default"] = {"katib.kubeflow.org/metrics-collector-injection": "enabled"}
+    sim.fake.on_create("trials", lambda *_: sim.namespace_labels["default"].clear())
+    api.create_namespaced_custom_object(*EXPERIMENTS, body)
     sim.wait_for(lambda: sim.fake.list_objects("trials"), what="a trial")
     name = sim.fake.list_objects("trials")[0]["metadata"]["name"]
     sim.wait_for(lambda: sim.condition("pytorchjobs", name, "Succeeded"), what="its job")
@@ -782,6 +827,111 @@ def test_without_the_collector_injection_label_trials_never_report(sim: SimClust
     trial = sim.fake.get_object("trials", name)
     assert condition(trial, "Running")["status"] == "True"  # requeued forever, as in Katib
     assert not finished(sim, "blind")
+
+
+def test_katibs_experiment_webhook_lets_an_edit_change_only_the_trial_counts(
+    sim: SimCluster,
+) -> None:
+    sim.fake.role = None  # kubellm's Role grants no update on experiments: the rule alone
+    api = k8s.CustomObjectsApi(sim.api_client())
+    body = experiment("edit", "print('eval_loss=X')", max_trials=1, parallelTrialCount=1)
+    api.create_namespaced_custom_object(*EXPERIMENTS, body)
+    sim.wait_for(lambda: finished(sim, "edit"), 30, "experiment done")
+
+    def replace(change: dict[str, Any]) -> str:
+        current = api.get_namespaced_custom_object(*EXPERIMENTS, "edit")
+        current["spec"].update(change)
+        with pytest.raises(k8s.ApiException) as info:
+            api.replace_namespaced_custom_object(*EXPERIMENTS, "edit", current)
+        assert info.value.status == 400
+        message: str = json.loads(info.value.body)["message"]
+        prefix = 'admission webhook "validator.experiment.katib.kubeflow.org" denied the request: '
+        assert message.startswith(prefix)
+        return message[len(prefix) :]
+
+    forbidden = (
+        "spec: Forbidden: only spec.parallelTrialCount, spec.maxTrialCount and "
+        "spec.maxFailedTrialCount are editable"
+    )
+    not_restartable = (
+        'spec.resumePolicy: Invalid value: "Never": Experiment can be restarted if it is in '
+        "succeeded state by reaching max trials and spec.resumePolicy = LongRunning or "
+        "spec.resumePolicy = FromVolume, when experiment is completed"
+    )
+    too_few = "spec.maxTrialCount: Invalid value: 1: must be greater than status.trials count"
+    # a finished experiment (resumePolicy Never by default) cannot be restarted at all
+    assert replace({"maxTrialCount": 2}) == not_restartable
+    assert (
+        replace(
+            {
+                "maxTrialCount": 1,
+                "parallelTrialCount": 1,
+                "objective": {"type": "maximize", "objectiveMetricName": "eval_loss"},
+            }
+        )
+        == f"[{not_restartable}, {too_few}, {forbidden}]"
+    )
+    # an unchanged spec (metadata only) is no restart
+    current = api.get_namespaced_custom_object(*EXPERIMENTS, "edit")
+    current["metadata"]["labels"] = {"a": "b"}
+    api.replace_namespaced_custom_object(*EXPERIMENTS, "edit", current)
+    assert sim.fake.errors == []
+
+
+def test_katibs_set_condition() -> None:
+    """experiments/v1beta1/util.go setCondition: same status and reason is a no-op; else the
+    condition is replaced at the end, its lastTransitionTime kept while the status is."""
+    from fakes.katib_controller import set_condition
+
+    status: dict[str, Any] = {}
+    set_condition(status, "Created", "True", "ExperimentCreated", "Experiment is created")
+    set_condition(status, "Running", "True", "ExperimentRunning", "Experiment is running")
+    before = json.loads(json.dumps(status))
+    set_condition(status, "Created", "True", "ExperimentCreated", "another message")
+    assert status == before  # no-op: the message does not count
+    first = status["conditions"][0]
+    first["lastTransitionTime"] = "2000-01-01T00:00:00Z"
+    set_condition(status, "Created", "True", "Recreated", "Experiment is created again")
+    assert [c["type"] for c in status["conditions"]] == ["Running", "Created"]
+    created = status["conditions"][-1]
+    assert created["reason"] == "Recreated"
+    assert created["lastTransitionTime"] == "2000-01-01T00:00:00Z"  # the status did not move
+    set_condition(status, "Created", "False", "Recreated", "gone")
+    assert status["conditions"][-1]["lastTransitionTime"] != "2000-01-01T00:00:00Z"
+
+
+def test_katibs_update_rules() -> None:
+    from fakes.katib_controller import experiment_update_errors
+
+    old = experiment("e", "print('eval_loss=X')", max_trials=4, parallelTrialCount=2)
+    old["status"] = {"trials": 2, "conditions": [{"type": "Running", "status": "True"}]}
+    more = json.loads(json.dumps(old))
+    more["spec"].update(maxTrialCount=6, parallelTrialCount=3, maxFailedTrialCount=1)
+    assert experiment_update_errors(more, old) == []  # a running experiment's counts
+    fewer = json.loads(json.dumps(old))
+    fewer["spec"]["maxTrialCount"] = 2
+    assert experiment_update_errors(fewer, old) == [
+        "spec.maxTrialCount: Invalid value: 2: must be greater than status.trials count"
+    ]
+    other = json.loads(json.dumps(old))
+    other["spec"]["algorithm"]["algorithmName"] = "grid"
+    assert [e.split(":")[0] for e in experiment_update_errors(other, old)] == ["spec"]
+    # defaults and empty fields are no change (the defaulter ran; Semantic.DeepEqual)
+    defaulted = json.loads(json.dumps(old))
+    defaulted["spec"].update(resumePolicy="Never", earlyStopping=None)
+    assert experiment_update_errors(defaulted, old) == []
+    # LongRunning, succeeded by max trials: restartable with more trials
+    done = json.loads(json.dumps(old))
+    done["spec"]["resumePolicy"] = "LongRunning"
+    done["status"] = {
+        "trials": 4,
+        "conditions": [
+            {"type": "Succeeded", "status": "True", "reason": "ExperimentMaxTrialsReached"}
+        ],
+    }
+    again = json.loads(json.dumps(done))
+    again["spec"]["maxTrialCount"] = 8
+    assert experiment_update_errors(again, done) == []
 
 
 def test_katibs_webhook_wraps_the_primary_container_and_reads_the_metrics_file(
