@@ -11,6 +11,9 @@ TORCH_PIN ?= torch==2.13.0
 VLLM_PIN ?= vllm==0.24.0
 STAMP := $(VENV)/.installed
 ARGS ?=
+# `make test` runs the suite as two pytest processes side by side (tests/lanes.py; the time
+# budget is in DEVELOPERS.md); `make test LANES=0` runs it as one.
+LANES ?= 1
 # checkov (tests/manifests runs it on every kustomization) pins old versions of packages
 # the project shares, so it gets a venv of its own. The stamp names the version: changing
 # CHECKOV_VERSION reinstalls, an unchanged one does nothing.
@@ -57,8 +60,12 @@ $(CHECKOV_STAMP):
 checkov: $(CHECKOV_STAMP) ## Create .venv-checkov with checkov (pinned; its own venv)
 
 .PHONY: test
-test: $(STAMP) $(CHECKOV_STAMP) ## Run the full test suite (what CI runs)
+test: $(STAMP) $(CHECKOV_STAMP) ## Run the full test suite (what CI runs), in two lanes
+ifeq ($(LANES),0)
 	$(BIN)/python -m pytest $(ARGS)
+else
+	$(BIN)/python tests/lanes.py $(ARGS)
+endif
 
 .PHONY: lint
 lint: $(STAMP) ## ruff lint + format check, mypy on src, import layering (lint-imports)

@@ -8,13 +8,10 @@ Only that the figures exist and are finite: whether they meet the targets is wha
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from quick_runs import BenchRuns
 
-REPO = Path(__file__).resolve().parents[2]
 METRICS = (
     "throughput vs tokenizer floor",
     "throughput vs `datasets.map` + packing",
@@ -42,12 +39,12 @@ def _results_tables(markdown: str) -> list[dict[str, list[str]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_quick_bench_reports_three_finite_ratios_per_corpus(tmp_path: Path) -> None:
-    out = tmp_path / "bench.md"
-    cmd = [sys.executable, "-m", "bench.prepare_bench", "--quick", "--out", str(out)]
-    cmd += ["--cache-dir", str(tmp_path / "cache")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=290)
+@pytest.mark.timeout(900)
+@pytest.mark.bench_run("prepare")
+def test_quick_bench_reports_three_finite_ratios_per_corpus(bench_runs: BenchRuns) -> None:
+    # python -m bench.prepare_bench --quick --out bench.md (tests/bench/conftest.py)
+    run = bench_runs.result("prepare")
+    proc, out = run.proc, run.tmp / "bench.md"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     text = out.read_text()

@@ -7,12 +7,11 @@ without a GPU is that its plan makes a valid TrainConfig of the intended size.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from quick_runs import BenchRuns
 
 from bench import gpu_check
 from bench.gpu_check import (
@@ -27,17 +26,16 @@ from bench.gpu_check import (
     train_problems,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 QUICK_CHECKS = ("fabric", "ddp", "export-ddp", "fsdp", "export-fsdp", "resume-fsdp")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_quick_cpu_gpu_check_passes_every_check(tmp_path: Path) -> None:
-    out = tmp_path / "gpu-check.md"
-    cmd = [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--quick"]
-    cmd += ["--out", str(out), "--cache-dir", str(tmp_path / "cache")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=280)
+@pytest.mark.timeout(900)
+@pytest.mark.bench_run("gpu_check")
+def test_quick_cpu_gpu_check_passes_every_check(bench_runs: BenchRuns) -> None:
+    # python -m bench.gpu_check --device cpu --quick --out gpu-check.md (tests/bench/conftest.py)
+    run = bench_runs.result("gpu_check")
+    proc, out, tmp_path = run.proc, run.tmp / "gpu-check.md", run.tmp
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     verdicts = {ln.split()[1]: ln.split()[0] for ln in lines if ln.startswith(("PASS", "FAIL"))}

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from quick_runs import BenchRuns
 
 from bench.serve_bench import TRACE, percentile, rotate
 
-REPO = Path(__file__).resolve().parents[2]
 RESULT_ROWS = (
     "p50 latency (ms), one client, vs BatchEngine in-process (",
     "p99 latency (ms), one client, vs BatchEngine in-process (",
@@ -64,12 +61,12 @@ def _num(cell: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_quick_serve_bench_reports_every_figure(tmp_path: Path) -> None:
-    out, figures = tmp_path / "serve.md", tmp_path / "serve.json"
-    cmd = [sys.executable, "-m", "bench.serve_bench", "--quick", "--out", str(out)]
-    cmd += ["--json", str(figures), "--cache-dir", str(tmp_path / "cache")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=230)
+@pytest.mark.timeout(1200)
+@pytest.mark.bench_run("serve")
+def test_quick_serve_bench_reports_every_figure(bench_runs: BenchRuns) -> None:
+    # python -m bench.serve_bench --quick --out serve.md --json serve.json, alone (conftest.py)
+    run = bench_runs.result("serve")
+    proc, out, figures = run.proc, run.tmp / "serve.md", run.tmp / "serve.json"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md, data = out.read_text(), json.loads(figures.read_text())
 

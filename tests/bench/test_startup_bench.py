@@ -6,11 +6,9 @@ interpreter, not the model, is the memory)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
+import pytest
+from quick_runs import BenchRuns
 
-REPO = Path(__file__).resolve().parents[2]
 RUNS = (
     "kubellm LoRA bf16",
     "kubellm LoRA fp32",
@@ -19,11 +17,12 @@ RUNS = (
 )
 
 
-def test_quick_startup_bench_reports_every_run(tmp_path: Path) -> None:
-    out = tmp_path / "startup.md"
-    cmd = [sys.executable, "-m", "bench.startup_bench", "--quick", "--out", str(out)]
-    cmd += ["--cache-dir", str(tmp_path / "cache")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+@pytest.mark.timeout(1200)
+@pytest.mark.bench_run("startup")
+def test_quick_startup_bench_reports_every_run(bench_runs: BenchRuns) -> None:
+    # python -m bench.startup_bench --quick --out startup.md (tests/bench/conftest.py)
+    run = bench_runs.result("startup")
+    proc, out = run.proc, run.tmp / "startup.md"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {
         cells[0]: cells

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from quick_runs import BenchRuns
 
 from bench import train_bench
 from bench.train_bench import (
@@ -33,7 +32,6 @@ from bench.train_bench import (
     train_config,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 CONTENDERS = ("kubellm.train", "HF Trainer", "minimal DDP loop")
 
 
@@ -56,12 +54,12 @@ def _number(cell: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_quick_train_bench_measures_three_contenders(tmp_path: Path) -> None:
-    out, figures = tmp_path / "train-bench.md", tmp_path / "train-bench.json"
-    cmd = [sys.executable, "-m", "bench.train_bench", "--quick", "--out", str(out)]
-    cmd += ["--cache-dir", str(tmp_path / "cache"), "--json", str(figures)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=170)
+@pytest.mark.timeout(900)
+@pytest.mark.bench_run("train")
+def test_quick_train_bench_measures_three_contenders(bench_runs: BenchRuns) -> None:
+    # python -m bench.train_bench --quick --out train.md --json train.json
+    run = bench_runs.result("train")
+    proc, out, figures = run.proc, run.tmp / "train.md", run.tmp / "train.json"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = out.read_text()
 

@@ -1,4 +1,5 @@
-"""Shared by the end-to-end tests: the small pipeline settings and the half-learnable data."""
+"""Shared by the end-to-end tests: the small pipeline settings, the half-learnable data, and
+the batch of pipeline runs the tests check (started together, see `Batch`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
+from fakes.kfp_runtime import install_profile_objects, namespace_labels
+from fakes.sim_cluster import SimCluster
+from kubellm.config import pipeline_config
 from tracking.mlflow_server import MlflowServer, running_mlflow_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,40 +88,216 @@ def _copy_yaml(tmp: Path, name: str) -> Path:
     return out
 
 
-def _run(tmp: Path, pipeline: Path, **overrides: Any) -> subprocess.CompletedProcess[str]:
+def _local_command(pipeline: Path, **overrides: Any) -> list[str]:
     sets = [a for k, v in {**SMALL, **overrides}.items() for a in ("--set", f"{k}={v}")]
-    return subprocess.run(
-        [sys.executable, "-m", "kubellm.cli", "run", "--local", "--pipeline", str(pipeline), *sets],
-        cwd=tmp,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    cli = [sys.executable, "-m", "kubellm.cli", "run", "--local", "--pipeline", str(pipeline)]
+    return [*cli, *sets]
+
+
+def run_to_files(
+    cmd: list[str], cwd: Path, env: dict[str, str], timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run(..., capture_output=True)` with the output in files under `cwd`
+    (several of the batch's runs write at once; a pipe nobody reads would block)."""
+    out, err = cwd / "stdout.txt", cwd / "stderr.txt"
+    with out.open("w") as fo, err.open("w") as fe:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=fo, stderr=fe, text=True, env=env)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+    return subprocess.CompletedProcess(cmd, code, out.read_text(), err.read_text())
+
+
+def _run(tmp: Path, pipeline: Path, **overrides: Any) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return run_to_files(_local_command(pipeline, **overrides), tmp, env, timeout_s=1200)
+
+
+NAMESPACE = "kubellm"
+# Two nodes of one process each: the same world size (and so the same batches) as the local
+# run's one node of two processes.
+CLUSTER = {"platform": "kubernetes", "num_nodes": 2, "nproc_per_node": 1, "namespace": NAMESPACE}
+
+
+def run_pipeline(
+    root: Path, env: dict[str, str], overrides: dict[str, Any], runner: str = ""
+) -> tuple[str, str]:
+    """kfp.local runs the committed YAML (as `kubellm run --local` does, without forcing
+    platform=local) behind the KFP runtime's fake (`python -m fakes.kfp_runtime`, which
+    wraps kubellm.local_run's child; `runner`, MODULE:FUNCTION, runs each task's process);
+    returns (the summary report, the output)."""
+    cfg = pipeline_config(overrides)
+    arguments = {k: getattr(cfg, k) for k in overrides}  # typed as the pipeline declares
+    cmd = [
+        sys.executable,
+        "-m",
+        "fakes.kfp_runtime",
+        str(REPO / "pipelines" / "llm_train.yaml"),
+        str(root),
+        json.dumps(arguments),
+        *(["--run-subprocess", runner] if runner else []),
+    ]
+    # fakes/ is under tests/; appended, so nothing there shadows what the steps import
+    path = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(REPO / "tests")) if p)
+    root.mkdir(parents=True, exist_ok=True)
+    proc = run_to_files(cmd, root, {**env, "PYTHONPATH": path}, timeout_s=1800)
+    output = proc.stdout + proc.stderr
+    reports = sorted(root.glob("*/summarize*/report"))
+    assert reports, output[-6000:]
+    return reports[-1].read_text(), output
 
 
 @dataclass(frozen=True)
 class LocalRun:
-    """One `kubellm run --local` of SMALL on the half-learnable data with the default gate,
-    against a real `mlflow server` that stays up for the session."""
+    """One `kubellm run --local` of SMALL (and the run's overrides) in `tmp`; `server` is
+    the real `mlflow server` it recorded to, if it had one (else sqlite under tmp/runs)."""
 
     tmp: Path
     proc: subprocess.CompletedProcess[str]
-    server: MlflowServer
+    server: MlflowServer | None = None
 
 
-@pytest.fixture(scope="session")
-def local_run(tmp_path_factory: pytest.TempPathFactory, half_learnable: Path) -> Iterator[LocalRun]:
-    """Shared by the local e2e test (which checks it in full) and the cluster e2e test (whose
-    data figures and gate decision must equal it): the suite runs it once."""
-    tmp = tmp_path_factory.mktemp("local-run")
-    (tmp / "mlflow").mkdir()
-    with running_mlflow_server(tmp / "mlflow", tmp / "mlflow.db") as server:
+@dataclass(frozen=True)
+class ClusterRun:
+    """One run of the committed YAML with `platform=kubernetes` on a SimCluster that stays
+    up for the session (its fake API server holds what the run did)."""
+
+    tmp: Path
+    sim: SimCluster
+    summary: str
+    output: str
+    seen: dict[tuple[str, str], dict[str, Any]]  # each object as last stored (plural, name)
+
+
+class Batch:
+    """The suite's pipeline runs, started together: each is a few subprocesses in a row,
+    most of them one core's work at a time, so PARALLEL of them share the two cores better
+    than one after the other (the e2e tests went from ~9 to ~6 minutes). A test asks for a
+    run's result and waits for it; the servers and simulated clusters the runs used stay up
+    until the session ends."""
+
+    def __init__(self, half_learnable: Path, tmp: pytest.TempPathFactory, parallel: int):
+        self._data, self._tmp = half_learnable, tmp
+        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="e2e-run")
+        self._stack = ExitStack()
+        self._lock = threading.Lock()
+        self._runs: dict[str, Future[Any]] = {}
+
+    def start(self, name: str) -> None:
+        with self._lock:
+            if name not in self._runs:
+                self._runs[name] = self._pool.submit(getattr(self, f"_{name}"))
+
+    def result(self, name: str) -> Any:
+        self.start(name)
+        return self._runs[name].result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._stack.close()
+
+    def _enter(self, cm: Any) -> Any:
+        with self._lock:
+            return self._stack.enter_context(cm)
+
+    # --- the runs (RUNS lists them; a test marks which it needs: `pipeline_runs(...)`) ---
+
+    def _local(self) -> LocalRun:
+        """SMALL on the half-learnable data with the default gate, against a real `mlflow
+        server`: checked in full by the local e2e test, compared with by the cluster one."""
+        tmp = self._tmp.mktemp("local-run")
+        (tmp / "mlflow").mkdir()
+        server = self._enter(running_mlflow_server(tmp / "mlflow", tmp / "mlflow.db"))
         proc = _run(
             tmp,
             _copy_yaml(tmp, "e2e-copy"),
-            data_source=half_learnable,
+            data_source=self._data,
             train_steps=HALF_LEARNABLE_STEPS,
             mlflow_tracking_uri=server.url,
         )  # the default gate, 0.2
-        yield LocalRun(tmp, proc, server)
+        return LocalRun(tmp, proc, server)
+
+    def _reject(self) -> LocalRun:
+        tmp = self._tmp.mktemp("reject-run")
+        proc = _run(
+            tmp,
+            REPO / "pipelines" / "llm_train.yaml",
+            data_source=self._data,
+            tune_trials=0,
+            train_steps=HALF_LEARNABLE_STEPS,
+            gate_min_accuracy=REJECT_ABOVE,  # above what this model reaches (near 0.5 at most)
+        )
+        return LocalRun(tmp, proc)
+
+    def _failing(self) -> LocalRun:
+        tmp = self._tmp.mktemp("failing-run")
+        proc = _run(
+            tmp, REPO / "pipelines" / "llm_train.yaml", data_source=str(tmp / "missing-*.jsonl")
+        )
+        return LocalRun(tmp, proc)
+
+    def _cluster(self) -> ClusterRun:
+        params = {**SMALL, "data_source": str(self._data), "train_steps": HALF_LEARNABLE_STEPS}
+        return self._on_a_cluster("cluster-run", params)
+
+    def _stop(self) -> ClusterRun:
+        # long enough to be stopped while it trains; one trial, so the run has an Experiment
+        params = {**SMALL, "data_source": str(self._data), "train_steps": 100_000}
+        params.update(tune_trials=1, tune_max_failed=0)
+        return self._on_a_cluster("stop-run", params, runner="e2e.stop_runner:run")
+
+    def _on_a_cluster(self, name: str, params: dict[str, Any], runner: str = "") -> ClusterRun:
+        tmp = self._tmp.mktemp(name)
+        bin_dir = str(Path(sys.executable).parent)  # `python3` and `kubellm` of this venv
+        env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        sim = self._enter(SimCluster(tmp / "cluster"))
+        mlflow = self._enter(running_mlflow_server(tmp, tmp / "mlflow.db"))
+        # KFP's profile controller syncs the namespace as manifests/base labels it
+        install_profile_objects(sim.fake, NAMESPACE, namespace_labels())
+        # the exit handler deletes the run's jobs and experiments: keep what they were
+        seen: dict[tuple[str, str], dict[str, Any]] = {}
+        sim.fake.add_listener(lambda e: seen.__setitem__((e.plural, e.name), e.obj))
+        env = {**env, **sim.env(NAMESPACE), "PYTHONUNBUFFERED": "1"}
+        overrides = {**params, **CLUSTER, "mlflow_tracking_uri": mlflow.url}
+        summary, output = run_pipeline(
+            tmp / "kfp", env, {**overrides, "runs_dir": str(tmp)}, runner=runner
+        )
+        return ClusterRun(tmp, sim, summary, output, seen)
+
+
+RUNS = ("cluster", "local", "stop", "reject", "failing")  # the longest first
+
+
+@pytest.fixture(scope="session")
+def batch(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    half_learnable: Path,
+) -> Iterator[Batch]:
+    """Starts every run a collected test marks `pipeline_runs(...)`, at once."""
+    wanted = {
+        name
+        for item in request.session.items
+        for mark in item.iter_markers("pipeline_runs")
+        for name in mark.args
+    }
+    parallel = int(os.environ.get("KUBELLM_E2E_PARALLEL", "3"))
+    runs = Batch(half_learnable, tmp_path_factory, parallel)
+    for name in RUNS:
+        if name in wanted:
+            runs.start(name)
+    try:
+        yield runs
+    finally:
+        runs.close()
+
+
+@pytest.fixture(scope="session")
+def local_run(batch: Batch) -> LocalRun:
+    """Shared by the local e2e test (which checks it in full) and the cluster e2e test (whose
+    data figures and gate decision must equal it): the suite runs it once."""
+    return batch.result("local")

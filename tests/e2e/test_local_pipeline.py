@@ -16,16 +16,10 @@ from typing import Any
 import pytest
 from mlflow.tracking import MlflowClient
 
-from .conftest import (
-    HALF_LEARNABLE_STEPS,
-    REJECT_ABOVE,
-    REPO,
-    STAGES,
-    LocalRun,
-    _run,
-)
+from .conftest import REJECT_ABOVE, STAGES, Batch, LocalRun
 
-pytestmark = pytest.mark.slow
+# waiting on the batch (tests/e2e/conftest.py) is most of a test: the runs share the cores
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 FINGERPRINT = "kubellm.data_fingerprint"
 
 
@@ -40,12 +34,14 @@ def _children(client: MlflowClient, parent: Any) -> dict[str, Any]:
     return {r.data.tags["kubellm.stage"]: r for r in runs}
 
 
+@pytest.mark.pipeline_runs("local")
 def test_full_pipeline_serves_and_records_lineage(local_run: LocalRun) -> None:
     """The whole DAG against a real `mlflow server` on loopback (HTTP client, proxied
     artifacts, the trainer's background sink), as on a cluster; then `kubellm lineage`
     reads the chain back from that server. The run is the session's `local_run`, which the
     cluster test compares its figures with."""
     tmp_path, proc, server = local_run.tmp, local_run.proc, local_run.server
+    assert server is not None
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     children = _check_run(tmp_path, proc.stdout, MlflowClient(server.url))
     text, as_json = (
@@ -156,15 +152,10 @@ def _check_run(tmp_path: Path, out: str, client: MlflowClient) -> dict[str, Any]
     return children
 
 
-def test_gate_rejects_and_nothing_is_registered(tmp_path: Path, half_learnable: Path) -> None:
-    proc = _run(
-        tmp_path,
-        REPO / "pipelines" / "llm_train.yaml",
-        data_source=half_learnable,
-        tune_trials=0,
-        train_steps=HALF_LEARNABLE_STEPS,
-        gate_min_accuracy=REJECT_ABOVE,  # above what this model reaches (near 0.5 at most)
-    )
+@pytest.mark.pipeline_runs("reject")
+def test_gate_rejects_and_nothing_is_registered(batch: Batch) -> None:
+    run = batch.result("reject")  # gate_min_accuracy=REJECT_ABOVE, no tuning
+    tmp_path, proc = run.tmp, run.proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     gate = re.search(
         r"gate \| reject \(exact_match (\d\.\d+) < gate_min_accuracy 0\.900\)", proc.stdout
@@ -187,12 +178,10 @@ def test_gate_rejects_and_nothing_is_registered(tmp_path: Path, half_learnable: 
     }
 
 
-def test_a_failing_stage_fails_the_run_with_its_reason(tmp_path: Path) -> None:
-    proc = _run(
-        tmp_path,
-        REPO / "pipelines" / "llm_train.yaml",
-        data_source=str(tmp_path / "missing-*.jsonl"),
-    )
+@pytest.mark.pipeline_runs("failing")
+def test_a_failing_stage_fails_the_run_with_its_reason(batch: Batch) -> None:
+    run = batch.result("failing")  # data_source: a pattern that matches no file
+    tmp_path, proc = run.tmp, run.proc
     assert proc.returncode == 1
     assert ": FAILED" in proc.stdout and "pipeline FAILED" in proc.stdout
     # preflight lists the data source (data_spec), so a wrong path fails there, in seconds

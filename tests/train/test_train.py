@@ -17,7 +17,7 @@ from kubellm.backends.base import JobFailed, JobTimeout, TrainJob
 from kubellm.backends.local.torchrun import TorchrunTrainer
 from kubellm.config import TrainConfig
 from kubellm.train.loader import batch_indices
-from kubellm.train.loop import lr_factor
+from kubellm.train.loop import lr_factor, main
 
 
 @pytest.fixture
@@ -72,49 +72,61 @@ def test_same_seed_same_result(dataset: Path, tmp_path: Path) -> None:
     assert runs[0].metrics["eval_loss"] == runs[1].metrics["eval_loss"]
 
 
-@pytest.mark.parametrize(
-    ("values", "fragment"),
-    [
-        ({"batch_size": 7}, "batch_size=7: must be divisible by WORLD_SIZE x grad_accum_steps"),
-        ({"strategy": "zero3"}, "invalid strategy='zero3'"),
-        ({"dataset_dir": "/nonexistent"}, "dataset_dir='/nonexistent'"),
-        ({"model": {"max_position_embeddings": 8}}, "max_position_embeddings=8"),
-    ],
-)
-def test_bad_config_fails_before_the_process_group(
-    dataset: Path, tmp_path: Path, values: dict, fragment: str
-) -> None:
+BAD_CONFIGS = [
+    ({"batch_size": 7}, "batch_size=7: must be divisible by WORLD_SIZE x grad_accum_steps"),
+    ({"strategy": "zero3"}, "invalid strategy='zero3'"),
+    ({"dataset_dir": "/nonexistent"}, "dataset_dir='/nonexistent'"),
+    ({"model": {"max_position_embeddings": 8}}, "max_position_embeddings=8"),
+    ({"--set": "stratgy=ddp"}, "unknown parameter 'stratgy'"),
+]
+
+
+RANK_0_OF_2 = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+
+
+def _bad_args(dataset: Path, tmp_path: Path, values: dict) -> list[str]:
+    """The worker's arguments for one of BAD_CONFIGS."""
     base = {"dataset_dir": str(dataset), "output_dir": str(tmp_path / "m")}
-    if "model" in values:
-        values = {
-            "model": {
-                "hidden_size": 32,
-                "num_heads": 2,
-                "num_layers": 1,
-                "intermediate_size": 64,
-                **values["model"],
-            }
-        }
-    values = {**base, **values}
+    if "--set" in values:
+        return [*_job(tmp_path, "bad", **base).train_args, "--set", values["--set"]]
     if "strategy" in values:  # an invalid value cannot go through TrainConfig: raw JSON
         path = tmp_path / "bad.json"
-        cfg = _job(tmp_path, "bad", **base)
-        raw = json.loads(Path(cfg.train_args[1]).read_text())
+        raw = json.loads(Path(_job(tmp_path, "bad", **base).train_args[1]).read_text())
         path.write_text(json.dumps({**raw, "strategy": values["strategy"]}))
-        job = TrainJob(name="bad", train_args=["--config", str(path)], nproc_per_node=2)
-    else:
-        job = _job(tmp_path, "bad", **values)
+        return ["--config", str(path)]
+    if "model" in values:
+        model = {"hidden_size": 32, "num_heads": 2, "num_layers": 1, "intermediate_size": 64}
+        values = {"model": {**model, **values["model"]}}
+    return _job(tmp_path, "bad", **{**base, **values}).train_args
+
+
+@pytest.mark.parametrize(("values", "fragment"), BAD_CONFIGS)
+def test_bad_config_fails_before_the_process_group(
+    dataset: Path,
+    tmp_path: Path,
+    values: dict,
+    fragment: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The worker's main as rank 0 of 2 (torchrun's environment, in this process): exit 2
+    and the reason, before the process group (which, with no MASTER_ADDR, would fail with
+    another error). Under torchrun: the next test."""
+    for name, value in RANK_0_OF_2.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert main(_bad_args(dataset, tmp_path, values)) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_a_bad_config_fails_the_torchrun_job_with_exit_2_and_the_reason(
+    dataset: Path, tmp_path: Path
+) -> None:
+    values, fragment = BAD_CONFIGS[0]  # WORLD_SIZE comes from torchrun's 2 processes
+    job = TrainJob(name="bad", train_args=_bad_args(dataset, tmp_path, values), nproc_per_node=2)
     with pytest.raises(JobFailed, match="exit code 2") as info:
         TorchrunTrainer(echo=False).run(job)
     assert fragment in str(info.value)
-    assert "init_process_group" not in str(info.value)
-
-
-def test_unknown_override_names_the_field(dataset: Path, tmp_path: Path) -> None:
-    job = _job(tmp_path, "unk", nproc=1, dataset_dir=str(dataset), output_dir=str(tmp_path / "m"))
-    job = TrainJob(name="unk", train_args=[*job.train_args, "--set", "stratgy=ddp"])
-    with pytest.raises(JobFailed, match="unknown parameter 'stratgy'"):
-        TorchrunTrainer(echo=False).run(job)
 
 
 def test_timeout_kills_the_job(tmp_path: Path) -> None:
