@@ -452,23 +452,28 @@ def _upload(fake: FakeKfp, name: str = NAME) -> requests.Response:
     )
 
 
-@pytest.mark.parametrize("case", RR_CASES, ids=[c.name for c in RR_CASES])
-def test_fake_checks_recurring_run_creates(fake: FakeKfp, case: Case) -> None:
+def _recurring_run_body(fake: FakeKfp) -> dict[str, Any]:
+    """A nightly recurring run of the uploaded pipeline's version, in a new experiment, with
+    no mode and no parameters."""
     experiment = fake.add_experiment("direct")
     pipeline = _upload(fake).json()
     (version,) = fake.versions.values()
-    body: dict[str, Any] = {
+    return {
         "display_name": "nightly",
         "experiment_id": experiment["experiment_id"],
-        "mode": "ENABLE",
         "max_concurrency": "1",
         "trigger": {"cron_schedule": {"cron": "0 0 2 * * *"}},
         "pipeline_version_reference": {
             "pipeline_id": pipeline["pipeline_id"],
             "pipeline_version_id": version["pipeline_version_id"],
         },
-        "runtime_config": {"parameters": case.parameters},
     }
+
+
+@pytest.mark.parametrize("case", RR_CASES, ids=[c.name for c in RR_CASES])
+def test_fake_checks_recurring_run_creates(fake: FakeKfp, case: Case) -> None:
+    body = _recurring_run_body(fake)
+    body.update(mode="ENABLE", runtime_config={"parameters": case.parameters})
     body.update(copy.deepcopy(case.change))
     body = {k: v for k, v in body.items() if v is not None}
     resp = requests.post(f"{fake.url}{API}/recurringruns", json=body, timeout=10)
@@ -495,19 +500,7 @@ def test_fake_checks_recurring_run_creates(fake: FakeKfp, case: Case) -> None:
     ],
 )
 def test_fake_recurring_run_mode_is_the_servers(fake: FakeKfp, mode: Any, status: str) -> None:
-    experiment = fake.add_experiment("direct")
-    pipeline = _upload(fake).json()
-    (version,) = fake.versions.values()
-    body: dict[str, Any] = {
-        "display_name": "nightly",
-        "experiment_id": experiment["experiment_id"],
-        "max_concurrency": "1",
-        "trigger": {"cron_schedule": {"cron": "0 0 2 * * *"}},
-        "pipeline_version_reference": {
-            "pipeline_id": pipeline["pipeline_id"],
-            "pipeline_version_id": version["pipeline_version_id"],
-        },
-    }
+    body = _recurring_run_body(fake)
     if mode is not None:
         body["mode"] = mode
     resp = requests.post(f"{fake.url}{API}/recurringruns", json=body, timeout=10)

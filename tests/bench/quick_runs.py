@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest  # for the TempPathFactory type
+from background_runs import BackgroundRuns
 
 REPO = Path(__file__).resolve().parents[2]
 PARALLEL = 2
@@ -32,40 +32,29 @@ class BenchRun:
     proc: subprocess.CompletedProcess[str]
 
 
-# module (under bench/), its extra arguments given the run's folder, timeout, whether it runs alone
+# module (under bench/), its arguments (file names go under the run's folder), a timeout
+# (generous: alone, each takes 1-3 minutes; with the other lane running, up to ~7), whether it
+# runs alone
 HARNESSES: dict[str, tuple[str, list[str], float, bool]] = {
-    "gpu_check": ("gpu_check", ["--device", "cpu", "--quick", "--out", "gpu-check.md"], 400, False),
-    "prepare": ("prepare_bench", ["--quick", "--out", "bench.md"], 400, False),
-    "startup": ("startup_bench", ["--quick", "--out", "startup.md"], 600, False),
-    "train": ("train_bench", ["--quick", "--out", "train.md", "--json", "train.json"], 300, False),
-    "serve": ("serve_bench", ["--quick", "--out", "serve.md", "--json", "serve.json"], 300, True),
+    "gpu_check": ("gpu_check", ["--device", "cpu", "--quick", "--out", "gpu-check.md"], 900, False),
+    "prepare": ("prepare_bench", ["--quick", "--out", "bench.md"], 900, False),
+    "startup": ("startup_bench", ["--quick", "--out", "startup.md"], 900, False),
+    "train": ("train_bench", ["--quick", "--out", "train.md", "--json", "train.json"], 900, False),
+    "serve": ("serve_bench", ["--quick", "--out", "serve.md", "--json", "serve.json"], 900, True),
 }
 
 
-class BenchRuns:
+class BenchRuns(BackgroundRuns):
+    ORDER = tuple(HARNESSES)  # serve last
+
     def __init__(self, tmp: pytest.TempPathFactory) -> None:
+        super().__init__(PARALLEL, "bench")
         self._tmp = tmp
-        self._pool = ThreadPoolExecutor(max_workers=PARALLEL, thread_name_prefix="bench")
-        self._lock = threading.Lock()
-        self._runs: dict[str, Future[BenchRun]] = {}
 
-    def start(self, name: str) -> None:
-        with self._lock:
-            if name not in self._runs:
-                others = [f for n, f in self._runs.items() if n != name]
-                self._runs[name] = self._pool.submit(self._run, name, others)
-
-    def result(self, name: str) -> BenchRun:
-        self.start(name)
-        return self._runs[name].result()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def _run(self, name: str, others: list[Future[BenchRun]]) -> BenchRun:
+    def run(self, name: str) -> BenchRun:
         module, args, timeout_s, alone = HARNESSES[name]
-        if alone:
-            wait(others)  # started after them (FIFO): it waits for at most the one still running
+        if alone:  # started after the others (FIFO): it waits for at most the one still running
+            wait([f for n, f in self.futures.items() if n != name])
         tmp = self._tmp.mktemp(f"bench-{name}")
         paths = [str(tmp / a) if a.endswith((".md", ".json")) else a for a in args]
         cmd = [sys.executable, "-m", f"bench.{module}", *paths, "--cache-dir", str(tmp / "cache")]

@@ -39,7 +39,7 @@ def _results_tables(markdown: str) -> list[dict[str, list[str]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)  # it waits for the batch's runs too
 @pytest.mark.bench_run("prepare")
 def test_quick_bench_reports_three_finite_ratios_per_corpus(bench_runs: BenchRuns) -> None:
     # python -m bench.prepare_bench --quick --out bench.md (tests/bench/conftest.py)

@@ -30,7 +30,7 @@ QUICK_CHECKS = ("fabric", "ddp", "export-ddp", "fsdp", "export-fsdp", "resume-fs
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)  # it waits for the batch's runs too
 @pytest.mark.bench_run("gpu_check")
 def test_quick_cpu_gpu_check_passes_every_check(bench_runs: BenchRuns) -> None:
     # python -m bench.gpu_check --device cpu --quick --out gpu-check.md (tests/bench/conftest.py)

@@ -61,7 +61,7 @@ def _num(cell: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)  # it waits for the batch's runs too
 @pytest.mark.bench_run("serve")
 def test_quick_serve_bench_reports_every_figure(bench_runs: BenchRuns) -> None:
     # python -m bench.serve_bench --quick --out serve.md --json serve.json, alone (conftest.py)

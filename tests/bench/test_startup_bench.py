@@ -17,7 +17,7 @@ RUNS = (
 )
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)  # it waits for the batch's runs too
 @pytest.mark.bench_run("startup")
 def test_quick_startup_bench_reports_every_run(bench_runs: BenchRuns) -> None:
     # python -m bench.startup_bench --quick --out startup.md (tests/bench/conftest.py)

@@ -54,7 +54,7 @@ def _number(cell: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)  # it waits for the batch's runs too
 @pytest.mark.bench_run("train")
 def test_quick_train_bench_measures_three_contenders(bench_runs: BenchRuns) -> None:
     # python -m bench.train_bench --quick --out train.md --json train.json

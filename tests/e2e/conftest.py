@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from background_runs import BackgroundRuns
 
 from fakes.kfp_runtime import install_profile_objects, namespace_labels
 from fakes.sim_cluster import SimCluster
@@ -172,38 +172,33 @@ class ClusterRun:
     seen: dict[tuple[str, str], dict[str, Any]]  # each object as last stored (plural, name)
 
 
-class Batch:
+class Batch(BackgroundRuns):
     """The suite's pipeline runs, started together: each is a few subprocesses in a row,
     most of them one core's work at a time, so PARALLEL of them share the two cores better
-    than one after the other (the e2e tests went from ~9 to ~6 minutes). A test asks for a
+    than one after the other (the e2e tests went from ~9 to ~7 minutes). A test asks for a
     run's result and waits for it; the servers and simulated clusters the runs used stay up
     until the session ends."""
 
+    ORDER = ("cluster", "local", "stop", "reject", "failing")  # the longest first
+
     def __init__(self, half_learnable: Path, tmp: pytest.TempPathFactory, parallel: int):
+        super().__init__(parallel, "e2e-run")
         self._data, self._tmp = half_learnable, tmp
-        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="e2e-run")
         self._stack = ExitStack()
-        self._lock = threading.Lock()
-        self._runs: dict[str, Future[Any]] = {}
+        self._stack_lock = threading.Lock()
 
-    def start(self, name: str) -> None:
-        with self._lock:
-            if name not in self._runs:
-                self._runs[name] = self._pool.submit(getattr(self, f"_{name}"))
-
-    def result(self, name: str) -> Any:
-        self.start(name)
-        return self._runs[name].result()
+    def run(self, name: str) -> Any:
+        return getattr(self, f"_{name}")()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        super().close()
         self._stack.close()
 
     def _enter(self, cm: Any) -> Any:
-        with self._lock:
+        with self._stack_lock:
             return self._stack.enter_context(cm)
 
-    # --- the runs (RUNS lists them; a test marks which it needs: `pipeline_runs(...)`) ---
+    # --- the runs (ORDER lists them; a test marks which it needs: `pipeline_runs(...)`) ---
 
     def _local(self) -> LocalRun:
         """SMALL on the half-learnable data with the default gate, against a real `mlflow
@@ -269,9 +264,6 @@ class Batch:
         return ClusterRun(tmp, sim, summary, output, seen)
 
 
-RUNS = ("cluster", "local", "stop", "reject", "failing")  # the longest first
-
-
 @pytest.fixture(scope="session")
 def batch(
     request: pytest.FixtureRequest,
@@ -279,21 +271,9 @@ def batch(
     half_learnable: Path,
 ) -> Iterator[Batch]:
     """Starts every run a collected test marks `pipeline_runs(...)`, at once."""
-    wanted = {
-        name
-        for item in request.session.items
-        for mark in item.iter_markers("pipeline_runs")
-        for name in mark.args
-    }
     parallel = int(os.environ.get("KUBELLM_E2E_PARALLEL", "3"))
     runs = Batch(half_learnable, tmp_path_factory, parallel)
-    for name in RUNS:
-        if name in wanted:
-            runs.start(name)
-    try:
-        yield runs
-    finally:
-        runs.close()
+    yield from runs.started(request.session, "pipeline_runs")
 
 
 @pytest.fixture(scope="session")

@@ -70,3 +70,25 @@ def test_tail_lines_count_complete_lines_as_the_kubelets_log_reader_does(
         'PodLogOptions "p" is invalid: tailLines: Invalid value: -1: must be greater than or '
         "equal to 0"
     )
+
+
+def test_the_sim_refuses_a_container_without_a_command() -> None:
+    # sim-only: containerd falls back to the image's ENTRYPOINT (spec_opts.go WithProcessArgs);
+    # the sim has no images, so a container must say what it runs
+    from fakes.kubelet import Kubelet
+
+    with pytest.raises(FileNotFoundError, match="no image ENTRYPOINT"):
+        Kubelet._argv(None, {"name": "c", "args": ["x"]}, {}, {})  # type: ignore[arg-type]
+
+
+def test_routing_answers_and_unparsable_watch_parameters() -> None:
+    # get.go: ListOptions that do not decode are 400; crd handler: unserved version 404,
+    # a verb it does not serve 405
+    with FakeK8s(rbac=None) as fake:
+        pods = "/api/v1/namespaces/d/pods"
+        for query in ("timeoutSeconds=x", "resourceVersion=x"):
+            code, _ = fake.handle("GET", f"{pods}?watch=true&{query}", None)
+            assert code == 400, query
+        assert fake.handle("GET", "/apis/kubeflow.org/v9/namespaces/d/pytorchjobs", None)[0] == 404
+        assert fake.handle("GET", f"{pods}/p/exec", None)[0] == 404
+        assert fake.handle("PUT", pods, {})[0] == 405
