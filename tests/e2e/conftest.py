@@ -88,17 +88,12 @@ def _copy_yaml(tmp: Path, name: str) -> Path:
     return out
 
 
-def _local_command(pipeline: Path, **overrides: Any) -> list[str]:
-    sets = [a for k, v in {**SMALL, **overrides}.items() for a in ("--set", f"{k}={v}")]
-    cli = [sys.executable, "-m", "kubellm.cli", "run", "--local", "--pipeline", str(pipeline)]
-    return [*cli, *sets]
-
-
 def run_to_files(
     cmd: list[str], cwd: Path, env: dict[str, str], timeout_s: float
 ) -> subprocess.CompletedProcess[str]:
     """`subprocess.run(..., capture_output=True)` with the output in files under `cwd`
-    (several of the batch's runs write at once; a pipe nobody reads would block)."""
+    (stdout.txt, stderr.txt): a run's progress can be read while the batch runs, and its
+    output is still there afterwards."""
     out, err = cwd / "stdout.txt", cwd / "stderr.txt"
     with out.open("w") as fo, err.open("w") as fe:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=fo, stderr=fe, text=True, env=env)
@@ -112,8 +107,11 @@ def run_to_files(
 
 
 def _run(tmp: Path, pipeline: Path, **overrides: Any) -> subprocess.CompletedProcess[str]:
+    """`kubellm run --local` of SMALL with `overrides`, in `tmp`."""
+    sets = [a for k, v in {**SMALL, **overrides}.items() for a in ("--set", f"{k}={v}")]
+    cmd = [sys.executable, "-m", "kubellm.cli", "run", "--local", "--pipeline", str(pipeline)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return run_to_files(_local_command(pipeline, **overrides), tmp, env, timeout_s=1200)
+    return run_to_files([*cmd, *sets], tmp, env, timeout_s=1200)
 
 
 NAMESPACE = "kubellm"
