@@ -5,10 +5,6 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
-# kserve[llm]'s vllm, without its dependencies (they pin a CUDA torch): kserve's OpenAI routes
-# import their request/response types from it; the engine is never loaded. pyproject.toml
-# lists the packages those modules import.
-VLLM_PIN ?= vllm==0.24.0
 STAMP := $(VENV)/.installed
 ARGS ?=
 # `make test` runs the suite as two pytest processes side by side (tests/lanes.py; the time
@@ -27,7 +23,6 @@ TAG ?= 0.1.0
 IMAGES := runtime serving trainer
 # The images install the torch the venv is tested with (TORCH_PIN above).
 TORCH_VERSION := $(patsubst torch==%,%,$(TORCH_PIN))
-VLLM_VERSION := $(patsubst vllm==%,%,$(VLLM_PIN))
 
 .DEFAULT_GOAL := help
 
@@ -40,7 +35,6 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" -e ".[dev]"
-	$(BIN)/python -m pip install --quiet --no-deps "$(VLLM_PIN)"
 	@touch $(STAMP)
 
 .PHONY: install
@@ -145,7 +139,7 @@ images-push: $(addprefix push-,$(IMAGES)) ## Build and push the images (same REG
 # One target of containers/Dockerfile per image, built from the repository root.
 .PHONY: $(addprefix image-,$(IMAGES))
 $(addprefix image-,$(IMAGES)): image-%:
-	$(DOCKER) build -f containers/Dockerfile --target $* --build-arg TORCH_VERSION=$(TORCH_VERSION) --build-arg VLLM_VERSION=$(VLLM_VERSION) -t $(REGISTRY)/$*:$(TAG) .
+	$(DOCKER) build -f containers/Dockerfile --target $* --build-arg TORCH_VERSION=$(TORCH_VERSION) -t $(REGISTRY)/$*:$(TAG) .
 
 .PHONY: $(addprefix push-,$(IMAGES))
 $(addprefix push-,$(IMAGES)): push-%: image-%

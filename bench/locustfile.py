@@ -1,7 +1,7 @@
 """Locust load test of the model server: users send OpenAI completions until exactly N are done.
 
 bench/serve_bench.py runs it as a process of its own: locust's gevent monkey-patching breaks
-the kserve and vllm imports (RecursionError) in a process that has them. The installed
+the kserve imports (RecursionError) in a process that has them. The installed
 locust (2.46) has no `--iterations`, so this file counts: each request takes a ticket before it
 is sent, a user that finds none left stops, and the runner quits once the Nth response is in
 (so no request is cut short and none is left over). Its `--csv` files are only rewritten every

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,13 +12,8 @@ import pytest
 from kserve.errors import InvalidInput
 
 from kubellm.serve.generate import complete, greedy_with_margins, load_model
-from kubellm.serve.model import (
-    MAX_INSTANCES,
-    MAX_NEW_TOKENS,
-    CausalLMModel,
-    Instance,
-    parse_instances,
-)
+from kubellm.serve.model import MAX_INSTANCES, CausalLMModel, Instance, parse_instances
+from kubellm.serve.protocol import ChatCompletionRequest, RequestError
 from serve.compare import assert_same_greedy
 
 # Same token length (digits are one token each), so `complete` puts them in one batch.
@@ -40,10 +35,10 @@ CASES = [
     Case("dict with max", {"instances": [{"prompt": "a", "max_new_tokens": 3}]}, ["a"], [3]),
     Case("lower bound", {"instances": [{"prompt": "a", "max_new_tokens": 1}]}, ["a"], [1]),
     Case(
-        "upper bound",
-        {"instances": [{"prompt": "a", "max_new_tokens": MAX_NEW_TOKENS}]},
+        "no upper bound but the context's",
+        {"instances": [{"prompt": "a", "max_new_tokens": 10_000}]},
         ["a"],
-        [MAX_NEW_TOKENS],
+        [10_000],
     ),
     Case(
         "each keeps its own max",
@@ -75,17 +70,12 @@ CASES = [
     Case(
         "max_new_tokens zero",
         {"instances": [{"prompt": "a", "max_new_tokens": 0}]},
-        error=f"instances[0].max_new_tokens must be an integer 1..{MAX_NEW_TOKENS}",
-    ),
-    Case(
-        "max_new_tokens too big",
-        {"instances": ["a", {"prompt": "b", "max_new_tokens": MAX_NEW_TOKENS + 1}]},
-        error=f"instances[1].max_new_tokens must be an integer 1..{MAX_NEW_TOKENS}",
+        error="instances[0].max_new_tokens must be an integer >= 1",
     ),
     Case(
         "max_new_tokens a string",
         {"instances": [{"prompt": "a", "max_new_tokens": "8"}]},
-        error='instances[0].max_new_tokens must be an integer 1..256, not "8"',
+        error='instances[0].max_new_tokens must be an integer >= 1, not "8"',
     ),
     Case(
         "max_new_tokens a float",
@@ -152,7 +142,7 @@ def test_complete_keeps_order_across_lengths(loaded: tuple[Any, Any]) -> None:
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path) -> Iterator[CausalLMModel]:
     model = CausalLMModel("tiny", tiny_model_dir)
-    assert model.ready is False  # kserve's OpenAI base class would say ready before load
+    assert model.ready is False
     assert model.load() is True
     assert model.ready is True
     yield model
@@ -197,21 +187,19 @@ def test_a_prompt_beyond_the_context_names_the_numbers(served: CausalLMModel) ->
 
 
 def test_chat_needs_a_chat_template(tiny_model_dir: Path, served: CausalLMModel) -> None:
-    from kserve.protocol.rest.openai.types import ChatCompletionRequest
-
     request = ChatCompletionRequest(
         model="tiny", messages=[{"role": "user", "content": "1+2="}], max_completion_tokens=2
     )
     ok = asyncio.run(served.create_chat_completion(request))
-    assert ok.choices[0].message.role == "assistant"
+    assert not isinstance(ok, AsyncIterator) and ok.choices[0].message.role == "assistant"
     template = served.tokenizer.chat_template
     served.tokenizer.chat_template = None
     try:
-        refused = asyncio.run(served.create_chat_completion(request))
+        with pytest.raises(RequestError) as info:
+            asyncio.run(served.create_chat_completion(request))
     finally:
         served.tokenizer.chat_template = template
-    assert refused.error.code == "400" and refused.error.param == "messages"
-    assert "has no chat template" in refused.error.message
+    assert info.value.field == "messages" and "has no chat template" in str(info.value)
 
 
 def test_load_model_refuses_a_directory_without_config(
@@ -226,3 +214,26 @@ def test_load_model_refuses_a_directory_without_config(
         load_model(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"config\.json is missing"):
         CausalLMModel("tiny", tmp_path / "nowhere").load()
+
+
+def test_max_tokens_limit_caps_what_a_request_asks_and_chats_default(
+    served: CausalLMModel,
+) -> None:
+    from kubellm.serve.protocol import CompletionRequest
+
+    chat = ChatCompletionRequest(
+        model="tiny", messages=[{"role": "user", "content": "1+2="}], ignore_eos=True
+    )
+    served.max_tokens_limit = 5
+    try:
+        capped = asyncio.run(served.create_chat_completion(chat))
+        with pytest.raises(RequestError, match=r"max_tokens is 6: more than .* limit of 5"):
+            asyncio.run(
+                served.create_completion(
+                    CompletionRequest(model="tiny", prompt="1+2=", max_tokens=6)
+                )
+            )
+    finally:
+        served.max_tokens_limit = None
+    assert not isinstance(capped, AsyncIterator) and capped.usage is not None
+    assert capped.usage.completion_tokens == 5

@@ -6,6 +6,7 @@ from typing import Any
 
 import openai
 import pytest
+import requests
 
 from kubellm.serve.client import Endpoint
 from kubellm.serve.generate import greedy_with_margins
@@ -154,3 +155,83 @@ def test_bad_request_names_the_field(client: openai.OpenAI) -> None:
     assert "max_tokens" in info.value.message
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="1+1=", max_tokens=2)
+
+
+def test_models_retrieve_and_an_unknown_model(client: openai.OpenAI, server: Endpoint) -> None:
+    model = client.models.retrieve("tiny")
+    assert (model.id, model.object, model.owned_by) == ("tiny", "model", "kubellm")
+    assert model.model_extra == {"max_model_len": 64}  # vLLM's field: the context length
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("other")
+    assert info.value.body == {
+        "message": "the model `other` does not exist",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+
+
+def test_health_and_errors_in_the_openai_shape(server: Endpoint) -> None:
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+    for method, path, status in [
+        ("GET", "/openai/v1/nowhere", 404),
+        ("GET", "/openai/v1/completions", 405),
+        ("POST", "/openai/v1/models", 405),
+    ]:
+        r = requests.request(method, server.url + path, timeout=10)
+        assert r.status_code == status, r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.json()["error"]["code"] == status
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(
+    client: openai.OpenAI, in_process: tuple[Any, Any]
+) -> None:
+    _, tokenizer = in_process
+    prompt = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    room = 64 - len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    r = client.chat.completions.create(
+        model="tiny", messages=CHAT, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.usage is not None and r.usage.completion_tokens == room > 16
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_vllm_sampling_extensions_are_applied(client: openai.OpenAI) -> None:
+    """ignore_eos and min_tokens fix a run's length (what load tools ask for); top_k=1 is
+    greedy. The engine's own tests check their semantics; this checks they get there."""
+    fixed = client.completions.create(
+        model="tiny", prompt="1+2=", max_tokens=9, extra_body={"ignore_eos": True}
+    )
+    assert fixed.usage is not None and fixed.usage.completion_tokens == 9
+    floor = client.completions.create(
+        model="tiny", prompt="1+2=", max_tokens=9, temperature=0, extra_body={"min_tokens": 9}
+    )
+    assert floor.usage is not None and floor.usage.completion_tokens == 9
+    greedy = client.completions.create(model="tiny", prompt="3+4=", max_tokens=6, temperature=0)
+    top1 = client.completions.create(
+        model="tiny", prompt="3+4=", max_tokens=6, temperature=1.5, seed=3, extra_body={"top_k": 1}
+    )
+    assert top1.choices[0].text == greedy.choices[0].text
+
+
+def test_fields_at_their_defaults_are_accepted(server: Endpoint) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": "1+2=",
+        "max_tokens": 2,
+        "n": 1,
+        "best_of": 1,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "logit_bias": {},
+        "stop_token_ids": [],
+        "response_format": {"type": "text"},
+        "top_k": -1,
+        "user": "someone",
+        "suffix": None,
+        "stop": None,
+    }
+    r = requests.post(f"{server.url}/openai/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text

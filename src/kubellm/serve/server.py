@@ -9,6 +9,17 @@ InferenceService passes `--host 0.0.0.0`. CPU-only, on the tiny model the tests 
 
 Requests from every route share one batching engine (kubellm.serve.engine); the options
 below bound it: a full queue answers 503, a request past --request-timeout-s answers 504.
+Before any work, a body over --max-body-bytes answers 413 and a prompt that cannot fit the
+model's context 400 (kubellm.serve.model). The routes:
+
+    GET  /health, /v2/health/ready, /v1/models/NAME        readiness (vLLM's, V2's, V1's)
+    POST /openai/v1/completions, /openai/v1/chat/completions
+    GET  /openai/v1/models, /openai/v1/models/NAME
+    POST /v1/models/NAME:predict, /v2/models/NAME/infer     KServe V1, V2
+    GET  /metrics                                          Prometheus
+
+kserve's model repository routes (POST /v2/repository/models/NAME/load and /unload) are not
+served: anyone who can reach the port could unload the model.
 """
 
 from __future__ import annotations
@@ -17,17 +28,36 @@ import argparse
 import asyncio
 import gc
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.exception_handlers import (
+    http_exception_handler,
+    request_validation_exception_handler,
+)
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from kserve import ModelServer
 from kserve.logging import KSERVE_TRACE_LOGGER_NAME
-from kserve.protocol.rest.server import RESTServer
+from kserve.protocol.rest.server import RESTServer, metrics_handler
+from kserve.protocol.rest.v1_endpoints import register_v1_endpoints
+from kserve.protocol.rest.v2_endpoints import register_v2_endpoints
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kubellm.serve import protocol
 from kubellm.serve.engine import EngineOptions, EngineStopped, QueueFull, RequestTimedOut
-from kubellm.serve.model import MAX_NEW_TOKENS, CausalLMModel
+from kubellm.serve.model import CausalLMModel
+from kubellm.serve.protocol import RequestError
 
 DEFAULTS = EngineOptions()
+OPENAI_PREFIX = "/openai/v1"
+MAX_BODY_BYTES = 4 * 2**20  # the default --max-body-bytes: 4 MiB
+R = TypeVar("R", bound=protocol.OpenAIRequest)
+
+log = logging.getLogger(__name__)
 
 
 async def _busy(_: Any, exc: Exception) -> JSONResponse:
@@ -38,42 +68,301 @@ async def _timed_out(_: Any, exc: Exception) -> JSONResponse:
     return JSONResponse(status_code=504, content={"error": str(exc)})
 
 
+def _speaks_openai(path: str) -> bool:
+    return path.startswith(OPENAI_PREFIX) or path == "/health"
+
+
+def openai_error(status: int, message: str, param: str | None = None) -> Response:
+    return Response(
+        protocol.error_body(status, message, param).model_dump_json(),
+        status_code=status,
+        media_type="application/json",
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's own 404 (no route), 405 (wrong method), ...: OpenAI's shape on its routes."""
+    assert isinstance(exc, StarletteHTTPException)
+    if _speaks_openai(request.url.path):
+        return openai_error(exc.status_code, str(exc.detail))
+    return await http_exception_handler(request, exc)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    if _speaks_openai(request.url.path):
+        first: dict[str, Any] = next(iter(exc.errors()), {})
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "path", "query")]
+        return openai_error(
+            422, f"{'.'.join(loc)}: {first.get('msg', 'invalid')}", loc[0] if loc else None
+        )
+    return await request_validation_exception_handler(request, exc)
+
+
+# -- the request body limit -------------------------------------------------------------------
+
+
+class BodyLimit:
+    """Refuse a request body over `max_bytes` (413) before the app reads it: at once when its
+    Content-Length says so, and while it arrives otherwise (chunked), so an oversized body is
+    never held in memory. OpenAI's error shape on the OpenAI routes, kserve's elsewhere."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                await self._refuse(scope, send, 400, "Content-Length is not a number")
+            elif int(length) > self.max_bytes:
+                await self._refuse(scope, send, 413, f"the request body is {int(length)} bytes")
+            else:  # the HTTP parser holds the body to its Content-Length
+                await self.app(scope, receive, send)
+            return
+        # no Content-Length (chunked, or no body): read it here, counting, then replay it
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, send, 413, f"the request body is over {size} bytes")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, send: Send, status: int, why: str) -> None:
+        message = f"{why}: this server takes at most {self.max_bytes} (--max-body-bytes)"
+        if status != 413:
+            message = why
+        if _speaks_openai(scope["path"]):
+            body = protocol.error_body(status, message).model_dump_json().encode()
+        else:
+            body = bytes(JSONResponse(content={"error": message}).body)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+# -- the OpenAI routes ------------------------------------------------------------------------
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """`work`'s result; cancelled (None) if the client disconnects first, so a request nobody
+    waits for stops decoding (its rows are freed)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()
+        return None
+    return task.result()
+
+
+def openai_router(models: Mapping[str, CausalLMModel]) -> APIRouter:
+    """/openai/v1/completions, /chat/completions, /models, /models/{id} for `models`."""
+    router = APIRouter(prefix=OPENAI_PREFIX, tags=["OpenAI"])
+
+    async def call(
+        request: Request,
+        kind: type[R],
+        handle: Callable[[CausalLMModel, R], Awaitable[Any]],
+    ) -> Response:
+        try:
+            parsed = protocol.parse_request(kind, await request.body())
+        except RequestError as err:
+            return openai_error(err.status, str(err), err.field)
+        model = models.get(parsed.model)
+        if model is None:
+            return openai_error(
+                404,
+                f"the model `{parsed.model}` does not exist: this server serves "
+                f"{', '.join(f'`{m}`' for m in models)}",
+                "model",
+            )
+        if not model.ready:
+            return openai_error(503, f"the model `{parsed.model}` is not ready")
+        try:
+            result = await _unless_disconnected(request, handle(model, parsed))
+        except RequestError as err:
+            return openai_error(err.status, str(err), err.field)
+        except (QueueFull, EngineStopped) as err:
+            return openai_error(503, str(err))
+        except RequestTimedOut as err:
+            return openai_error(504, str(err))
+        except Exception as err:
+            log.exception("%s failed", request.url.path)
+            return openai_error(500, f"{type(err).__name__}: {err}")
+        if result is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        if isinstance(result, BaseModel):
+            return Response(result.model_dump_json(), media_type="application/json")
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @router.post("/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        return await call(request, protocol.CompletionRequest, CausalLMModel.create_completion)
+
+    @router.post("/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Response:
+        return await call(
+            request, protocol.ChatCompletionRequest, CausalLMModel.create_chat_completion
+        )
+
+    @router.get("/models", response_model=None)
+    async def list_models() -> Response:
+        cards = [m.card() for m in models.values() if m.ready]
+        body = protocol.ModelList(data=cards)
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    @router.get("/models/{model_id:path}", response_model=None)
+    async def retrieve_model(model_id: str) -> Response:
+        model = models.get(model_id)
+        if model is None:
+            return openai_error(404, f"the model `{model_id}` does not exist", "model")
+        return Response(model.card().model_dump_json(), media_type="application/json")
+
+    return router
+
+
+# -- the server -------------------------------------------------------------------------------
+
+
+class _Routers:
+    """Stands in for the app in kserve's register_*_endpoints: keeps the routers they make,
+    so routes can be left out before they are served."""
+
+    def __init__(self) -> None:
+        self.routers: list[APIRouter] = []
+
+    def include_router(self, router: APIRouter, **_: Any) -> None:
+        self.routers.append(router)
+
+
 class _RESTServer(RESTServer):  # type: ignore[misc]
-    """kserve's REST server; without `latency_log`, without its timing middleware, which
-    times every request only to log it (kserve.trace): on a request of a few milliseconds
-    its share is measurable (docs/benchmarks-serve.md)."""
+    """kserve's REST server on an app of its own (not kserve's module-global one), with:
+
+    - kserve's V1 and V2 routes, without the model repository's load and unload routes
+      (anyone who can reach the port could unload the model);
+    - our OpenAI-compatible routes (kubellm.serve.protocol) instead of kserve's, which take
+      their types from vllm, and vLLM's `/health`;
+    - the request body limit (`max_body_bytes`, 413);
+    - without `latency_log`, without kserve's timing middleware, which times every request
+      only to log it (kserve.trace): on a request of a few milliseconds its share is
+      measurable (docs/benchmarks-serve.md)."""
 
     latency_log = False
+    max_body_bytes = MAX_BODY_BYTES
+    app: FastAPI | None = None
 
-    def _add_middlewares(self, app: Any) -> None:
+    def _models(self) -> dict[str, CausalLMModel]:
+        return {
+            name: model
+            for name, model in self.dataplane.model_registry.get_models().items()
+            if isinstance(model, CausalLMModel)
+        }
+
+    def _add_middlewares(self, app: FastAPI) -> None:
         if self.latency_log:
             super()._add_middlewares(app)
-            return
-        from timing_asgi import TimingMiddleware
+        app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)  # outermost: first
 
-        super()._add_middlewares(app)
-        app.user_middleware = [m for m in app.user_middleware if m.cls is not TimingMiddleware]
+    def _register_endpoints(self, app: FastAPI) -> None:
+        models = self._models()
+
+        async def health() -> Response:
+            """vLLM's: 200 once every model is ready."""
+            waiting = [name for name, m in models.items() if not m.ready]
+            if waiting:
+                return openai_error(503, f"not ready: {', '.join(waiting)}")
+            return Response(status_code=200)
+
+        root = APIRouter()
+        root.add_api_route("/", self.dataplane.live, methods=["GET"])
+        root.add_api_route("/metrics", metrics_handler, methods=["GET"])
+        root.add_api_route("/health", health, methods=["GET"], response_model=None)
+        app.include_router(root)
+        kserve_routes = _Routers()
+        register_v1_endpoints(kserve_routes, self.dataplane, None)
+        register_v2_endpoints(kserve_routes, self.dataplane, None)
+        for router in kserve_routes.routers:
+            router.routes[:] = [
+                r for r in router.routes if "/repository/" not in getattr(r, "path", "")
+            ]
+            app.include_router(router)
+        app.include_router(openai_router(models))
+
+    def _add_exception_handlers(self, app: FastAPI) -> None:
+        super()._add_exception_handlers(app)
+        # V1 and V2 raise these from the model; kserve's handlers would make them 500s
+        app.add_exception_handler(QueueFull, _busy)
+        app.add_exception_handler(EngineStopped, _busy)
+        app.add_exception_handler(RequestTimedOut, _timed_out)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(RequestValidationError, _validation_error)
+
+    def create_application(self) -> FastAPI:
+        app = FastAPI(title="kubellm model server", docs_url=None, redoc_url=None)
+        self._add_middlewares(app)
+        self._register_endpoints(app)
+        self._add_exception_handlers(app)
+        self.app = app
+        self.config.app = app  # uvicorn takes the app itself as well as an import string
+        return app
 
 
 class BoundModelServer(ModelServer):  # type: ignore[misc]
     """kserve.ModelServer with the REST host chosen by us, and no gRPC port."""
 
-    def __init__(self, host: str, http_port: int, latency_log: bool = False) -> None:
+    def __init__(
+        self,
+        host: str,
+        http_port: int,
+        latency_log: bool = False,
+        max_body_bytes: int = MAX_BODY_BYTES,
+    ) -> None:
         super().__init__(http_port=http_port, enable_grpc=False, workers=1)
         self.host = host
         self.latency_log = latency_log
+        self.max_body_bytes = max_body_bytes
 
-    def rest_server(self, models: list[CausalLMModel]) -> RESTServer:
-        """Register `models` and build the REST server (its app is kserve's global one)."""
-        from kserve.model_server import app
-
-        # V1 and V2 raise these from the model; kserve's handlers would make them 500s
-        app.add_exception_handler(QueueFull, _busy)
-        app.add_exception_handler(EngineStopped, _busy)
-        app.add_exception_handler(RequestTimedOut, _timed_out)
+    def rest_server(self, models: list[CausalLMModel]) -> _RESTServer:
+        """Register `models` and build the REST server (`create_application()` makes its
+        app; `start()` makes it and serves it)."""
         self._register_and_check_atleast_one_model_is_ready(models)
         rest = _RESTServer(
-            "kserve.model_server:app",
+            "kserve.model_server:app",  # replaced by create_application
             self.dataplane,
             self.model_repository_extension,
             self.http_port,
@@ -84,6 +373,7 @@ class BoundModelServer(ModelServer):  # type: ignore[misc]
         )
         rest.config.host = self.host
         rest.latency_log = self.latency_log
+        rest.max_body_bytes = self.max_body_bytes
         return rest
 
     def start(self, models: list[CausalLMModel]) -> None:
@@ -147,8 +437,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-tokens-limit",
         type=_positive(int),
-        default=MAX_NEW_TOKENS,
-        help="most new tokens one request may ask for (default %(default)s)",
+        default=None,
+        help="most new tokens one request may ask for, on top of the model's context (a "
+        "prompt plus its max_tokens must fit in it); it also caps chat's default, the rest of "
+        "the context. Default: no cap but the context (--request-timeout-s still bounds a "
+        "request)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive(int),
+        default=MAX_BODY_BYTES,
+        help="largest request body; a larger one gets 413 before it is read (default "
+        "%(default)s, 4 MiB)",
     )
     p.add_argument(
         "--latency-log",
@@ -166,8 +466,9 @@ def serve(
     trust_remote_code: bool = False,
     *,
     options: EngineOptions | None = None,
-    max_tokens_limit: int = MAX_NEW_TOKENS,
+    max_tokens_limit: int | None = None,
     latency_log: bool = False,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ) -> None:
     logging.basicConfig(level=logging.INFO)
     if not latency_log:
@@ -187,7 +488,9 @@ def serve(
     gc.collect()
     gc.freeze()
     print(f"serving {name} from {model_dir} on http://{host}:{port}", flush=True)
-    BoundModelServer(host=host, http_port=port, latency_log=latency_log).start([model])
+    BoundModelServer(
+        host=host, http_port=port, latency_log=latency_log, max_body_bytes=max_body_bytes
+    ).start([model])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,4 +510,5 @@ def main(argv: list[str] | None = None) -> None:
         options=options,
         max_tokens_limit=args.max_tokens_limit,
         latency_log=args.latency_log,
+        max_body_bytes=args.max_body_bytes,
     )
