@@ -161,3 +161,102 @@ def test_training_pods_get_the_scaled_resources() -> None:
     assert resources is not None
     assert resources.limits == {"cpu": "16", "memory": "72Gi", "nvidia.com/gpu": "8"}
     assert settings.max_restarts == 5
+
+
+# -- serving parameters (issue 20, point 6) ----------------------------------------------------
+
+SERVING_ERRORS = [
+    Case(["serving_dtype=auto"], ["serving_dtype='auto'", "'float32', 'bfloat16', 'float16'"]),
+    Case(["serving_max_model_len=-1"], ["serving_max_model_len=-1", ">= 0"]),
+    Case(
+        ["serving_max_model_len=16"],
+        ["serving_max_model_len (16) is below seq_len (32)"],
+    ),
+    Case(
+        ["serving_max_model_len=4096"],
+        ["serving_max_model_len (4096) is above the model's context (128"],
+    ),
+    Case(
+        ["serving_runtime=custom", "serving_dtype=bfloat16"],
+        ["serving_dtype=bfloat16 needs KServe's Hugging Face runtime", "kubellm serve"],
+    ),
+    Case(
+        ["platform=local", "serving_max_model_len=64"],
+        ["serving_max_model_len=64 needs KServe's Hugging Face runtime"],
+    ),
+    Case(["serving_service_account=Model_Reader"], ["serving_service_account='Model_Reader'"]),
+    Case(
+        ['serving_node_selector={"gpu type": "l4"}'],
+        ["invalid serving_node_selector=", "'gpu type'"],
+    ),
+    Case(
+        ['serving_node_selector={"pool": "a b"}'],
+        ["invalid serving_node_selector=", "'a b': a label value"],
+    ),
+    Case(
+        ['serving_tolerations=[{"operator": "Equal", "value": "x"}]'],
+        ["invalid serving_tolerations=", "operator must be Exists when key is empty"],
+    ),
+    Case(
+        ['serving_tolerations=[{"key": "gpu", "operator": "Exists", "value": "x"}]'],
+        ["serving_tolerations", "value must be empty when operator is Exists"],
+    ),
+    Case(
+        ['serving_tolerations=[{"key": "gpu", "operator": "In"}]'],
+        ["serving_tolerations", "operator must be Equal or Exists"],
+    ),
+    Case(
+        ['serving_tolerations=[{"key": "gpu", "effect": "NoSchedule", "tolerationSeconds": 5}]'],
+        ["serving_tolerations", "tolerationSeconds needs effect NoExecute"],
+    ),
+    Case(
+        ['serving_tolerations=[{"key": "gpu", "effect": "Never"}]'],
+        ["serving_tolerations", "effect must be empty or one of NoSchedule"],
+    ),
+    Case(
+        ['serving_tolerations=[{"key": "gpu", "seconds": 5}]'],
+        ["serving_tolerations", "unknown field(s) seconds"],
+    ),
+    # the same rules for the training pods' own tolerations and node selector
+    Case(['tolerations=[{"value": "x"}]'], ["invalid tolerations=", "operator must be Exists"]),
+    Case(['node_selector={"pool/": "x"}'], ["invalid node_selector="]),
+]
+
+
+@pytest.mark.parametrize("case", SERVING_ERRORS, ids=lambda c: " ".join(c.overrides))
+def test_bad_serving_parameters_name_the_field(case: Case) -> None:
+    with pytest.raises(ConfigError) as info:
+        pipeline_config(parse_overrides(case.overrides))
+    for fragment in case.fragments:
+        assert fragment in str(info.value)
+
+
+def test_serving_defaults_match_evaluate_and_stay_in_the_cluster() -> None:
+    cfg = pipeline_config({})
+    assert cfg.serving_dtype == "float32"  # the checkpoint's, what evaluate measured in
+    assert cfg.serving_max_model_len == 0  # the model's own context
+    assert cfg.serving_cluster_local is True
+    assert (cfg.serving_node_selector, cfg.serving_tolerations) == ({}, [])
+    assert cfg.serving_service_account == ""
+
+
+def test_valid_serving_placement_is_kept_as_given() -> None:
+    tolerations = [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "pool", "value": "serving"},  # operator empty: Equal
+        {"operator": "Exists"},  # no key: every taint
+        {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute", "tolerationSeconds": 30},
+    ]
+    cfg = pipeline_config(
+        {
+            "serving_tolerations": tolerations,
+            "serving_node_selector": {"nvidia.com/gpu.product": "NVIDIA-L4", "pool": ""},
+            "serving_service_account": "kserve.s3-reader",
+            "serving_max_model_len": 128,
+            "serving_dtype": "bfloat16",
+        }
+    )
+    assert cfg.serving_tolerations == tolerations
+    assert cfg.serving_node_selector == {"nvidia.com/gpu.product": "NVIDIA-L4", "pool": ""}
+    # a base model's context is its own config's: no upper bound known before it loads
+    assert pipeline_config({"base_model": "org/m", "serving_max_model_len": 32768})

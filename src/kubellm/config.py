@@ -18,7 +18,15 @@ import re
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kubellm import RUNTIME_IMAGE
 
@@ -36,6 +44,14 @@ Fabric = Literal["tcp", "rdma-ib", "roce"]
 GangScheduler = Literal["kueue", "volcano"]
 TuneAlgorithm = Literal["random", "tpe", "bayesianoptimization", "grid"]
 ServingRuntime = Literal["huggingface", "custom"]
+# The dtypes both of KServe's Hugging Face backends take as `--dtype` (huggingfaceserver
+# __main__.py dtype_choices; vLLM's EngineArgs), minus `auto`: on a GPU vLLM's auto serves a
+# float32 checkpoint in float16/bfloat16, the HF backend's auto in config.json's dtype.
+ServingDtype = Literal["float32", "bfloat16", "float16"]
+# What evaluate measures in and `kubellm serve` loads in: the exported checkpoint's own dtype
+# (from_pretrained's default, `auto`, reads config.json), float32, since training keeps float32
+# weights (bf16 is autocast only) and exports them as they are.
+CHECKPOINT_DTYPE: ServingDtype = "float32"
 GateMetric = Literal["auto", "exact_match", "eval_loss", "perplexity"]
 GATE_METRICS = ("exact_match", "eval_loss", "perplexity")
 # what gate_guards may bound: the gate metrics and the generation speed evaluate measures
@@ -82,6 +98,8 @@ MEMORY_PER_RANK_GI = 8
 MIN_MEMORY_PER_RANK_GI = 2
 # Processes per node when no GPUs are requested and nproc_per_node is 0 (auto).
 CPU_NPROC = 2
+# The least max_position_embeddings of a from-config model (kubellm.stages.configs.model_shape).
+MIN_CONTEXT = 128
 
 
 def quantity(text: str) -> float:
@@ -98,6 +116,89 @@ def _gi(value: float) -> str:
 
 # DNS-1035 label: what the PyTorchJob webhook, Katib and KServe accept as a name.
 DNS_1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# DNS-1123 subdomain, or empty: a ServiceAccount's name (ValidateServiceAccountName).
+DNS_1123_SUBDOMAIN_OR_EMPTY = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)?$"
+)
+
+# Label keys and values as the API server checks them (apimachinery validation.go
+# IsQualifiedName, IsValidLabelValue): what nodeSelector and tolerations may hold.
+_LABEL_NAME = r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)"
+_LABEL_PREFIX = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+_TOLERATION_FIELDS = ("key", "operator", "value", "effect", "tolerationSeconds")
+_TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _label_key_error(key: Any) -> str:
+    if not isinstance(key, str):
+        return f"{key!r} is not a string"
+    prefix, _, name = key.rpartition("/")
+    if prefix and (len(prefix) > 253 or not re.fullmatch(_LABEL_PREFIX, prefix)):
+        return f"{key!r}: the prefix must be a DNS subdomain"
+    if len(name) > 63 or not re.fullmatch(_LABEL_NAME, name):
+        return (
+            f"{key!r}: the name must be 63 characters or fewer of [A-Za-z0-9-_.], "
+            "beginning and ending with a letter or digit"
+        )
+    return ""
+
+
+def _label_value_error(value: Any) -> str:
+    if not isinstance(value, str):
+        return f"{value!r} is not a string"
+    if value and (len(value) > 63 or not re.fullmatch(_LABEL_NAME, value)):
+        return (
+            f"{value!r}: a label value is empty or 63 characters or fewer of [A-Za-z0-9-_.], "
+            "beginning and ending with a letter or digit"
+        )
+    return ""
+
+
+def _check_node_selector(value: dict[str, str]) -> dict[str, str]:
+    for key, val in value.items():
+        why = _label_key_error(key) or _label_value_error(val)
+        if why:
+            raise ValueError(f"node selector {why}")
+    return value
+
+
+def _check_tolerations(value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The API server's rules (kubernetes pkg/apis/core/validation ValidateTolerations), in
+    the tolerations' API form, so a bad one fails here rather than at the pod's create."""
+    for i, t in enumerate(value):
+        where = f"toleration [{i}]"
+        unknown = sorted(set(t) - set(_TOLERATION_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown field(s) {', '.join(unknown)}; "
+                f"fields: {', '.join(_TOLERATION_FIELDS)}"
+            )
+        key, op = t.get("key", ""), t.get("operator", "")
+        value_, effect = t.get("value", ""), t.get("effect", "")
+        if key and (why := _label_key_error(key)):
+            raise ValueError(f"{where}: key {why}")
+        if op not in ("", "Equal", "Exists"):
+            raise ValueError(f"{where}: operator must be Equal or Exists")
+        if not key and op != "Exists":
+            raise ValueError(f"{where}: operator must be Exists when key is empty")
+        if op == "Exists" and value_:
+            raise ValueError(f"{where}: value must be empty when operator is Exists")
+        if op != "Exists" and (why := _label_value_error(value_)):
+            raise ValueError(f"{where}: value {why}")
+        if effect not in ("", *_TAINT_EFFECTS):
+            raise ValueError(f"{where}: effect must be empty or one of {', '.join(_TAINT_EFFECTS)}")
+        seconds = t.get("tolerationSeconds")
+        if seconds is not None:
+            if effect != "NoExecute":
+                raise ValueError(f"{where}: tolerationSeconds needs effect NoExecute")
+            if isinstance(seconds, bool) or not isinstance(seconds, int):
+                raise ValueError(f"{where}: tolerationSeconds must be an integer")
+    return value
+
+
+# nodeSelector and tolerations of a pod, checked as the API server would.
+NodeSelector = Annotated[dict[str, str], AfterValidator(_check_node_selector)]
+Tolerations = Annotated[list[dict[str, Any]], AfterValidator(_check_tolerations)]
 
 STRATEGY_HELP = (
     "ddp: replicated model; fsdp: FSDP2 fully_shard (parameters, gradients and optimizer "
@@ -377,6 +478,54 @@ class PipelineConfig(_Strict):
     serving_max_replicas: int = Field(
         1, ge=1, le=1000, description="Most model server replicas (the autoscaler's ceiling)."
     )
+    serving_dtype: ServingDtype = Field(
+        CHECKPOINT_DTYPE,
+        description="dtype the Hugging Face runtime loads the weights in (its --dtype, both "
+        "backends): float32, the checkpoint's and what evaluate measures in, so the smoke "
+        "test's answers match evaluate's token for token; bfloat16 or float16 halve a GPU's "
+        "memory but may answer differently from the float32 evaluation the smoke test "
+        "compares with. Left to the runtime, vLLM would serve float32 weights in half "
+        "precision. `kubellm serve` (custom runtime, local) loads float32 only.",
+    )
+    serving_max_model_len: int = Field(
+        0,
+        ge=0,
+        le=1_048_576,
+        description="Longest prompt plus completion, in tokens, the Hugging Face runtime "
+        "accepts (its --max_model_len; vLLM sizes its KV cache for it); 0: the model's own "
+        "context (max_position_embeddings). At least seq_len and at most the model's "
+        "context; the custom runtime has no such flag.",
+    )
+    serving_node_selector: NodeSelector = Field(
+        default_factory=dict,
+        description="Node labels the model server pods must match (the predictor's "
+        'nodeSelector), e.g. {"nvidia.com/gpu.product": "NVIDIA-L4"}; in Knative mode '
+        "Knative's config-features must enable kubernetes.podspec-nodeselector.",
+    )
+    serving_tolerations: Tolerations = Field(
+        default_factory=list,
+        description="Tolerations of the model server pods (the predictor's; Kubernetes "
+        'objects, e.g. {"key": "nvidia.com/gpu", "operator": "Exists", "effect": '
+        '"NoSchedule"}); in Knative mode Knative\'s config-features must enable '
+        "kubernetes.podspec-tolerations.",
+    )
+    serving_service_account: str = Field(
+        "",
+        pattern=DNS_1123_SUBDOMAIN_OR_EMPTY,
+        max_length=253,
+        description="ServiceAccount of the model server pods (the predictor's "
+        "serviceAccountName): KServe's storage initializer takes the credentials for an "
+        "s3:// or gs:// storageUri from its secrets and annotations; empty: the namespace's "
+        "`default` account.",
+    )
+    serving_cluster_local: bool = Field(
+        True,
+        description="Keep the InferenceService inside the cluster (label "
+        "networking.knative.dev/visibility, and networking.kserve.io/visibility in Standard "
+        "mode: cluster-local): no public URL for it, nor for the untested canary's own tag "
+        "URL while it is smoke-tested (the steps call the in-cluster addresses); false: "
+        "both are published on the ingress domain.",
+    )
     smoke_timeout_seconds: int = Field(
         60,
         ge=1,
@@ -440,10 +589,10 @@ class PipelineConfig(_Strict):
     register_memory: Quantity = Field(
         "8Gi", description="Memory request and limit of the register step."
     )
-    node_selector: dict[str, str] = Field(
+    node_selector: NodeSelector = Field(
         default_factory=dict, description="Node labels training pods must match."
     )
-    tolerations: list[dict[str, Any]] = Field(
+    tolerations: Tolerations = Field(
         default_factory=list, description="Tolerations of training pods (Kubernetes objects)."
     )
     priority_class: str = Field("", description="PriorityClass of training pods; empty: none.")
@@ -577,12 +726,49 @@ class PipelineConfig(_Strict):
                 f"serving_max_replicas ({self.serving_max_replicas}) is below "
                 f"serving_min_replicas ({self.serving_min_replicas})"
             )
+        self._serving_consistent()
         if self.tune_trials and self.tune_max_failed >= self.tune_trials:
             raise ValueError(
                 f"tune_max_failed ({self.tune_max_failed}) must be below tune_trials "
                 f"({self.tune_trials})"
             )
         return self
+
+    def context_length(self) -> int:
+        """max_position_embeddings of the model a run trains from config (no base_model;
+        kubellm.stages.configs.model_shape): the longest context it can serve."""
+        return max(MIN_CONTEXT, self.seq_len)
+
+    def _serving_consistent(self) -> None:
+        """Serving settings the runtime would refuse at load, or ignore, refused here."""
+        huggingface = self.serving_runtime == "huggingface" and self.platform == "kubernetes"
+        asked = {
+            "serving_dtype": self.serving_dtype != CHECKPOINT_DTYPE,
+            "serving_max_model_len": self.serving_max_model_len > 0,
+        }
+        for name in (n for n, on in asked.items() if on):
+            if not huggingface:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} needs KServe's Hugging Face runtime "
+                    "(serving_runtime=huggingface, platform=kubernetes): `kubellm serve` (the "
+                    f"custom runtime and the local server) loads the checkpoint as it is "
+                    f"({CHECKPOINT_DTYPE}, the model's own context)"
+                )
+        length = self.serving_max_model_len
+        if length and length < self.seq_len:
+            raise ValueError(
+                f"serving_max_model_len ({length}) is below seq_len ({self.seq_len}): the "
+                "server would refuse prompts as long as those the model was trained and "
+                "evaluated on"
+            )
+        if length and not self.base_model and length > self.context_length():
+            # vLLM and huggingfaceserver (utils.py _get_and_verify_max_len) refuse a
+            # max_model_len above the model's max_position_embeddings
+            raise ValueError(
+                f"serving_max_model_len ({length}) is above the model's context "
+                f"({self.context_length()}, max_position_embeddings of the model trained from "
+                "seq_len); the runtime refuses to load it"
+            )
 
 
 _M = typing.TypeVar("_M", bound=BaseModel)

@@ -1,4 +1,5 @@
-"""The simulated cluster's KServe: serving.kserve.io/v1beta1 InferenceService in Knative mode.
+"""The simulated cluster's KServe: serving.kserve.io/v1beta1 InferenceService in Knative and
+Standard mode.
 
 A FAKE, for tests only. It does what KServe's controller and the Knative Serving it drives do
 for one predictor, each rule following a file of kserve/kserve (at the commit the vendored
@@ -7,8 +8,29 @@ CRDs pin, tests/fixtures/crds/README.md) or knative/serving:
 - deployment mode (pkg/controller/v1beta1/inferenceservice/utils/utils.go GetDeploymentMode):
   status.deploymentMode, else the `serving.kserve.io/deploymentMode` annotation (legacy names
   normalized), else the configured default, `Serverless` in KServe's shipped
-  config/configmap/inferenceservice.yaml. The sim is Knative mode only: any other mode is a
-  sim error (`sim.errors`), never a silent change of behaviour.
+  config/configmap/inferenceservice.yaml (`sim.config_maps[KSERVE_CONFIG]` sets another).
+  Knative and Standard are simulated; ModelMesh is a sim error (`sim.errors`). The defaulter
+  normalizes legacy annotations and writes a Standard default (inference_service_defaults.go,
+  on create); the validating webhook refuses a mode change against status.deploymentMode,
+  a predictor.name change without a storage URI change and invalid spec.canary entries
+  (inference_service_validation.go; `KServe._validate`).
+- Standard mode (components/predictor.go, reconcilers/deployment): a Deployment per
+  predictor (`<isvc>[-<predictor name>]-predictor`) and one per spec.canary entry (its
+  predictor merged over the stable one); a pod template change rolls (the old pod serves
+  until the new one is ready: maxSurge/maxUnavailable 25% of one replica); pods carry the
+  template's labels and annotations (buildObjectMeta) and `app: isvc.<deployment>`,
+  restartPolicy Always and a TCP readiness probe (the kubelet's Ready condition). Status:
+  PropagateRawStatus (PredictorReady from the Deployment's Available/Progressing,
+  components.predictor.url; no revisions or traffic), status.canaryStatuses and
+  CanaryPredictorReady, PropagateModelStatus over the stable pods; Deployments no longer
+  named are deleted with their pods. Simplified: Deployments and Services are the sim's
+  state, not API objects; one pod each; no ingress traffic split (a Service's address is
+  `KServe.service_url`, the serving pod's 127.0.0.1 port); no progress deadline.
+- Knative's validation of the Knative Service KServe builds (knative/serving
+  pkg/apis/serving/fieldmask.go at knative-v1.21.1, default feature flags): a pod spec field
+  or container securityContext field the masks drop is refused; KServe reports it as
+  PredictorReady False ReconcileFailed with the webhook's denial (components/predictor.go),
+  and makes no revision (`knative_disallowed`, `knative_denial`).
 - runtimes (pkg/apis/serving/v1beta1/predictor_model.go GetSupportingRuntimes,
   RuntimeSupportsModel; components/predictor.go reconcileModel): a predictor with `model`
   is served by the named `runtime`, else by the first ServingRuntime in its namespace, then
@@ -84,15 +106,15 @@ Sim differences, because pods are local processes:
   that is deleted is started again (new port), one that exits is not.
 - readiness: `GET /v1/models/<served name>` answering 200 (KServe's V1 model-ready route;
   Knative probes the port), polled every 0.1 s.
-- not simulated: admission of updates against the old object (validateDeploymentMode,
-  validatePredictorNameChange), Standard mode's `spec.canary`, transformers, explainers,
-  multi-node, storage initializer containers, scale to zero.
+- not simulated: transformers, explainers, multi-node, storage initializer containers,
+  scale to zero, HPA.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import random
 import re
@@ -105,9 +127,9 @@ from typing import Any
 
 import yaml
 
-from .fake_k8s import ApiError, Event, owner_reference
+from .fake_k8s import ApiError, Event, owner_reference, status_body
 from .k8s_schemas import servingruntime_errors
-from .sim_base import Controller, Key, find_condition, free_port, now_rfc3339
+from .sim_base import Controller, Key, find_condition, free_port, is_true, now_rfc3339
 
 ISVC_LABEL = "serving.kserve.io/inferenceservice"
 REVISION_LABEL = "serving.knative.dev/revision"
@@ -117,6 +139,11 @@ TAG_ROUTING = "serving.kserve.io/enable-tag-routing"
 DEPLOYMENT_MODE = "serving.kserve.io/deploymentMode"
 DEFAULT_DEPLOYMENT_MODE = "Serverless"  # config/configmap/inferenceservice.yaml
 RUNTIME_CONTAINER_ANNOTATION = "sim.kubellm/runtime-container"
+STORAGE_URI_ANNOTATION = "internal.serving.kserve.io/storage-initializer-sourceuri"
+COMPONENT_LABEL = "component"  # constants.go KServiceComponentLabel
+CANARY_READY = "CanaryPredictorReady"
+KSERVE_CONFIG = ("kserve", "inferenceservice-config")  # (namespace, name) in sim.config_maps
+ISVC_VALIDATOR = "inferenceservice.kserve-webhook-server.validator"
 # constants.go ServiceAnnotationDisallowedList: not propagated to the revision template.
 DISALLOWED_ANNOTATIONS = (
     "autoscaling.knative.dev/min-scale",
@@ -151,6 +178,142 @@ POD_FIELDS = (
     "automountServiceAccountToken",
     "hostIPC",
 )
+
+# knative/serving pkg/apis/serving/fieldmask.go at knative-v1.21.1 (KServe 0.20's go.mod:
+# knative.dev/serving v0.48.1), under the default feature flags (pkg/apis/config/features.go
+# defaultFeaturesConfig: every kubernetes.podspec-* flag Disabled but emptyDir).
+# PodSpecMask: the pod fields a Knative Service admits; PodSecurityContextMask admits none
+# while kubernetes.podspec-securitycontext is Disabled (fsGroupChangePolicy never).
+KNATIVE_POD_FIELDS = (
+    "serviceAccountName",
+    "containers",
+    "volumes",
+    "imagePullSecrets",
+    "enableServiceLinks",
+)
+# Every PodSpec field (k8s.io/api core/v1 PodSpec), to tell the pod's from KServe's own.
+PODSPEC_FIELDS = (
+    *KNATIVE_POD_FIELDS,
+    "automountServiceAccountToken",
+    "activeDeadlineSeconds",
+    "affinity",
+    "dnsConfig",
+    "dnsPolicy",
+    "ephemeralContainers",
+    "hostAliases",
+    "hostIPC",
+    "hostNetwork",
+    "hostPID",
+    "hostUsers",
+    "hostname",
+    "initContainers",
+    "nodeName",
+    "nodeSelector",
+    "os",
+    "overhead",
+    "preemptionPolicy",
+    "priority",
+    "priorityClassName",
+    "readinessGates",
+    "resourceClaims",
+    "restartPolicy",
+    "runtimeClassName",
+    "schedulerName",
+    "schedulingGates",
+    "securityContext",
+    "serviceAccount",
+    "setHostnameAsFQDN",
+    "shareProcessNamespace",
+    "subdomain",
+    "terminationGracePeriodSeconds",
+    "tolerations",
+    "topologySpreadConstraints",
+)
+# ContainerMask and SecurityContextMask (privileged only as false; CapabilitiesMask: drop,
+# no add while kubernetes.containerspec-addcapabilities is Disabled).
+KNATIVE_CONTAINER_FIELDS = (
+    "name",
+    "args",
+    "command",
+    "env",
+    "workingDir",
+    "envFrom",
+    "image",
+    "imagePullPolicy",
+    "livenessProbe",
+    "ports",
+    "readinessProbe",
+    "resources",
+    "securityContext",
+    "startupProbe",
+    "terminationMessagePath",
+    "terminationMessagePolicy",
+    "volumeMounts",
+)
+KNATIVE_CONTAINER_SECURITY = (
+    "capabilities",
+    "readOnlyRootFilesystem",
+    "runAsUser",
+    "runAsGroup",
+    "runAsNonRoot",
+    "allowPrivilegeEscalation",
+    "seccompProfile",
+)
+KNATIVE_WEBHOOK = "validation.webhook.serving.knative.dev"
+
+
+def _set(value: Any) -> bool:
+    """apis.CheckDisallowedFields flags a field whose value is not the zero value."""
+    return value not in (None, False, 0, "", [], {})
+
+
+def knative_disallowed(pod: dict[str, Any]) -> list[str]:
+    """The fields Knative's validation refuses in a Knative Service's pod spec
+    (k8s_validation.go ValidatePodSpec: CheckDisallowedFields against PodSpecMask,
+    ValidatePodSecurityContext, and per container ContainerMask, SecurityContextMask,
+    CapabilitiesMask), as `spec.template.spec.<path>`, under the default feature flags."""
+    out = []
+    for key in PODSPEC_FIELDS:
+        value = pod.get(key)
+        if key in KNATIVE_POD_FIELDS or not _set(value):
+            continue
+        if key == "automountServiceAccountToken":
+            continue  # only false is admitted, and false is not set
+        out.append(key)
+    for key, value in (pod.get("securityContext") or {}).items():
+        if _set(value):  # PodSecurityContextMask: nothing with podspec-securitycontext off
+            out.append(f"securityContext.{key}")
+    for i, container in enumerate(pod.get("containers") or []):
+        where = f"containers[{i}]"
+        out += [
+            f"{where}.{k}"
+            for k, v in container.items()
+            if k not in KNATIVE_CONTAINER_FIELDS and _set(v)
+        ]
+        security = container.get("securityContext") or {}
+        for key, value in security.items():
+            allowed = key in KNATIVE_CONTAINER_SECURITY or (key == "privileged" and value is False)
+            if not allowed and _set(value):
+                out.append(f"{where}.securityContext.{key}")
+        if _set((security.get("capabilities") or {}).get("add")):
+            out.append(f"{where}.securityContext.capabilities.add")
+    return [f"spec.template.spec.{path}" for path in out]
+
+
+def knative_denial(fields: list[str], update: bool) -> str:
+    """The PredictorReady message of a Knative Service Knative refused: predictor.go wraps
+    reconcileKnativeDeployment's error ("fails to reconcile predictor"), which wraps the
+    ksvc reconciler's ("fails to reconcile knative service", on an update only: a create's
+    error is returned as is, ksvc_reconciler.go Reconcile); knative.dev/pkg FieldError
+    ("must not set the field(s): ...") behind the API server's admission error."""
+    message = (
+        f'admission webhook "{KNATIVE_WEBHOOK}" denied the request: validation failed: '
+        f"must not set the field(s): {', '.join(fields)}"
+    )
+    if update:
+        message = f"fails to reconcile knative service: {message}"
+    return f"fails to reconcile predictor: {message}"
+
 
 # config/runtimes/kserve-huggingfaceserver.yaml at the pinned commit; the image is the one
 # config/runtimes/kustomization.yaml substitutes for `huggingfaceserver:replace`.
@@ -232,6 +395,17 @@ class _State:
     ksvc_generation: int = 0
     ksvc_spec: str = ""
     route: list[dict[str, Any]] = field(default_factory=list)  # resolved traffic
+    deployments: dict[str, _Deployment] = field(default_factory=dict)  # Standard mode
+
+
+@dataclass
+class _Deployment:
+    """An apps/v1 Deployment of Standard mode: its pods by ReplicaSet, oldest first (each
+    a `_Revision` record: the pod template, its pod and port)."""
+
+    name: str  # constants.go PredictorServiceName: <isvc>[-<predictor name>]-predictor
+    generation: int = 0
+    pods: list[_Revision] = field(default_factory=list)
 
 
 def _cond(ctype: str, status: str, reason: str = "", message: str = "") -> dict[str, Any]:
@@ -434,6 +608,88 @@ def sort_supported_runtimes(
     return out
 
 
+def predictor_service(isvc: str, predictor_name: str = "") -> str:
+    """constants.go PredictorServiceName: a predictor's Deployment and Service."""
+    return f"{isvc}-{predictor_name}-predictor" if predictor_name else f"{isvc}-predictor"
+
+
+def get_deployment_mode(status_mode: str, annotations: dict[str, Any], default: str) -> str:
+    """utils.go GetDeploymentMode: the status's (parsed), else a valid annotation (legacy
+    names normalized), else the configured default as it is written."""
+    if status_mode:
+        return parse_deployment_mode(status_mode)
+    legacy = {"RawDeployment": "Standard", "Serverless": "Knative"}
+    mode = str(annotations.get(DEPLOYMENT_MODE, ""))
+    mode = legacy.get(mode, mode)
+    if DEPLOYMENT_MODE in annotations and mode in ("Standard", "Knative", "ModelMesh"):
+        return mode
+    return default
+
+
+def mergo_override(dst: Any, src: Any) -> Any:
+    """mergo.Merge(&dst, src, mergo.WithOverride) on JSON: maps and structs merged key by
+    key, a set (non-empty) value of src overriding; slices replaced."""
+    if isinstance(dst, dict) and isinstance(src, dict):
+        out = copy.deepcopy(dst)
+        for k, v in src.items():
+            if v in (None, "", [], {}):
+                continue
+            out[k] = mergo_override(out.get(k), v) if isinstance(v, dict) else copy.deepcopy(v)
+        return out
+    return copy.deepcopy(src)
+
+
+def canary_spec_errors(isvc: dict[str, Any]) -> list[str]:
+    """inference_service_validation.go validateCanarySpecs, for what kubellm can send."""
+    spec = isvc.get("spec") or {}
+    canaries = spec.get("canary") or []
+    if not canaries:
+        return []
+    annotations = (isvc.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(DEPLOYMENT_MODE) != "Standard":
+        return ["canary is only supported in Standard deployment mode"]
+    stable = spec.get("predictor") or {}
+    names: set[str] = set()
+    total = 0
+    for i, entry in enumerate(canaries):
+        cp = entry.get("predictor") or {}
+        name = cp.get("name") or ""
+        percent = int(entry.get("trafficPercent") or 0)
+        if not name:
+            return [f"canary[{i}] predictor.name is required"]
+        if name in names:
+            return [f"canary predictor.name {name!r} is duplicated"]
+        names.add(name)
+        if name == (stable.get("name") or ""):
+            return [f"canary predictor.name {name!r} conflicts with stable predictor name"]
+        if not 0 <= percent <= 100:
+            return [f"canary {name!r} trafficPercent must be between 0 and 100, got {percent}"]
+        total += percent
+        if cp.get("maxReplicas"):
+            return [f"canary {name!r} must not set maxReplicas (canary uses fixed replicas)"]
+        low = cp.get("minReplicas")
+        if low is not None and low > stable.get("minReplicas", 1):
+            return [
+                f"canary {name!r} minReplicas ({low}) must not exceed stable predictor "
+                f"minReplicas ({stable.get('minReplicas', 1)})"
+            ]
+    if total > 100:
+        return [f"sum of canary trafficPercent values ({total}) must be <= 100"]
+    return []
+
+
+def storage_uri(predictor: dict[str, Any]) -> str:
+    """inference_service_validation.go getPredictorStorageURI (model or custom container)."""
+    model = predictor.get("model") or {}
+    if model.get("storageUri"):
+        return str(model["storageUri"])
+    for c in (predictor.get("containers") or [])[:1]:
+        for e in c.get("env") or []:
+            if e.get("name") == "STORAGE_URI":
+                return str(e.get("value") or "")
+    return ""
+
+
 class KServe(Controller):
     name = "kserve"
 
@@ -442,6 +698,74 @@ class KServe(Controller):
         self._states: dict[Key, _State] = {}
         self.runtimes: dict[tuple[str, str, str], dict[str, Any]] = {}  # kind, ns, name
         self.add_runtime(yaml.safe_load(HF_RUNTIME_YAML))
+        sim.fake.on_admit("inferenceservices", self._default)
+        sim.fake.on_validate("inferenceservices", self._validate)
+
+    # ------------------------------------------------------------ webhooks
+
+    def default_mode(self) -> str:
+        """deploy.defaultDeploymentMode of kserve/inferenceservice-config (a test sets
+        sim.config_maps[KSERVE_CONFIG]); Serverless as KServe ships it."""
+        data = self.sim.config_maps.get(KSERVE_CONFIG) or {}
+        deploy = json.loads(data.get("deploy") or "{}")
+        return str(deploy.get("defaultDeploymentMode") or DEFAULT_DEPLOYMENT_MODE)
+
+    def _default(self, _fake: Any, body: dict[str, Any], _ns: str) -> dict[str, Any]:
+        """inference_service_defaults.go DefaultInferenceService: legacy mode annotations
+        normalized; none: the default written when it is ModelMesh or Standard."""
+        meta = body.setdefault("metadata", {})
+        annotations = meta.get("annotations") or {}
+        mode = annotations.get(DEPLOYMENT_MODE)
+        if mode is not None:
+            legacy = {"RawDeployment": "Standard", "Serverless": "Knative"}
+            annotations[DEPLOYMENT_MODE] = legacy.get(mode, mode)
+        elif self.default_mode() in ("ModelMesh", "Standard"):
+            annotations[DEPLOYMENT_MODE] = self.default_mode()
+        if annotations:
+            meta["annotations"] = annotations
+        return body
+
+    def _validate(
+        self, _fake: Any, body: dict[str, Any], old: dict[str, Any] | None, _ns: str
+    ) -> None:
+        """inference_service_validation.go ValidateUpdate (validateDeploymentMode,
+        validatePredictorNameChange) and validateCanarySpecs, as the webhook's denial."""
+        errors = []
+        if old is not None and not (body.get("metadata") or {}).get("deletionTimestamp"):
+            was = str((old.get("status") or {}).get("deploymentMode") or "")
+            annotations = (body.get("metadata") or {}).get("annotations") or {}
+            now = annotations.get(DEPLOYMENT_MODE)
+            # the defaulter runs on updates too (the fake's on_admit only on creates)
+            now = {"RawDeployment": "Standard", "Serverless": "Knative"}.get(now, now)
+            if was and now is not None and now != parse_deployment_mode(was):
+                errors.append(
+                    "update rejected: deploymentMode cannot be changed from "
+                    f"'{parse_deployment_mode(was)}' to '{now}'"
+                )
+            new_p = (body.get("spec") or {}).get("predictor") or {}
+            old_p = (old.get("spec") or {}).get("predictor") or {}
+            renamed = new_p.get("name") != old_p.get("name")
+            if not errors and renamed and storage_uri(new_p) == storage_uri(old_p):
+                errors.append("predictor.name change requires a model change (e.g. storageUri)")
+        errors = errors or canary_spec_errors(body)
+        if errors:
+            raise ApiError(
+                400,
+                status_body(
+                    400, "", f'admission webhook "{ISVC_VALIDATOR}" denied the request: {errors[0]}'
+                ),
+            )
+
+    def service_url(self, namespace: str, service: str) -> str:
+        """Where Service `service` (a Standard mode predictor's) routes: the sim's stand-in
+        for its cluster DNS name, the address of its serving pod (the oldest ready one; a
+        rolling update keeps the old pod until the new is ready). "" when none serves."""
+        for (_, ns, _), state in list(self._states.items()):
+            dep = state.deployments.get(service) if ns == namespace else None
+            if dep is not None:
+                ready = [p for p in dep.pods if p.ready and not p.failed]
+                return f"http://127.0.0.1:{ready[0].port}" if ready else ""
+        return ""
 
     def add_runtime(self, obj: dict[str, Any], namespace: str = "") -> None:
         """Install a ServingRuntime (in `namespace`) or ClusterServingRuntime, validated
@@ -481,12 +805,14 @@ class KServe(Controller):
                 _cond(t, "Unknown") for t in ("IngressReady", "PredictorReady", "Ready")
             ]
         annotations = meta.get("annotations") or {}
-        mode = status.get("deploymentMode") or annotations.get(DEPLOYMENT_MODE)
-        mode = mode or DEFAULT_DEPLOYMENT_MODE
-        status["deploymentMode"] = mode
-        if parse_deployment_mode(mode) != "Knative":
+        mode = get_deployment_mode(
+            str(status.get("deploymentMode") or ""), annotations, self.default_mode()
+        )
+        status["deploymentMode"] = mode  # controller.go: what GetDeploymentMode returned
+        if parse_deployment_mode(mode) not in ("Knative", "Standard"):
             self.sim.errors.append(
-                f"{self.name} {key}: deployment mode {mode}: the sim simulates Knative only"
+                f"{self.name} {key}: deployment mode {mode}: the sim simulates Knative and "
+                "Standard only"
             )
             return
         predictor = (isvc.get("spec") or {}).get("predictor") or {}
@@ -518,6 +844,15 @@ class KServe(Controller):
                     status, "InvalidPredictorSpec", "the sim runs model and containers predictors"
                 ),
             )
+            return
+        if parse_deployment_mode(mode) == "Standard":
+            self._reconcile_standard(key, isvc, state, status, predictor, runtime)
+            return
+        denied = knative_disallowed(self._ksvc_pod(isvc, predictor, runtime))
+        if denied:  # components/predictor.go: PropagateRawStatusWithMessages, nothing else
+            message = knative_denial(denied, update=bool(state.revisions))
+            self._set_conditions(status, {"PredictorReady": ("False", "ReconcileFailed", message)})
+            self._write(key, isvc, status)
             return
         pred_status = dict((status.get("components") or {}).get("predictor") or {})
         percent = predictor.get("canaryTrafficPercent")
@@ -556,6 +891,284 @@ class KServe(Controller):
         self._write(key, isvc, status)
         if busy:
             self.requeue(key, 0.1)
+
+    # ------------------------------------------------------------ Standard mode
+
+    def _reconcile_standard(
+        self,
+        key: Key,
+        isvc: dict[str, Any],
+        state: _State,
+        status: dict[str, Any],
+        predictor: dict[str, Any],
+        runtime: dict[str, Any] | None,
+    ) -> None:
+        """components/predictor.go Reconcile in Standard mode: the canaries' Deployments
+        first (reconcileCanaryDeployments: status.canaryStatuses, CanaryPredictorReady, the
+        orphaned predictor Deployments deleted), then the stable one (reconcileRawDeployment)
+        and PropagateRawStatus, PropagateModelStatus over the stable Deployment's pods."""
+        name = isvc["metadata"]["name"]
+        spec = isvc.get("spec") or {}
+        stable = predictor_service(name, str(predictor.get("name") or ""))
+        expected = {stable}
+        busy = False
+        canary_statuses = []
+        for entry in spec.get("canary") or []:
+            cp = entry.get("predictor") or {}
+            cname = predictor_service(name, str(cp.get("name") or ""))
+            expected.add(cname)
+            merged = mergo_override(predictor, cp)  # buildCanaryPredictor
+            for k in ("maxReplicas", "minReplicas", "scaleTarget", "scaleMetric", "autoScaling"):
+                merged.pop(k, None)
+            crt = runtime
+            if merged.get("model") and merged["model"] != predictor.get("model"):
+                found = self._resolve(merged["model"], isvc["metadata"]["namespace"])
+                crt = found if isinstance(found, dict) else None
+            busy = self._roll(isvc, state, cname, merged, crt) or busy
+            dep = state.deployments[cname]
+            canary_statuses.append(
+                {
+                    "name": cp.get("name") or "",
+                    "ready": any(p.ready for p in dep.pods),  # AvailableReplicas > 0
+                    "trafficPercent": int(entry.get("trafficPercent") or 0),
+                }
+            )
+        if canary_statuses:
+            status["canaryStatuses"] = canary_statuses
+            ready = all(c["ready"] for c in canary_statuses)
+            reason = "AllCanariesReady" if ready else "CanariesNotReady"
+            self._set_conditions(status, {CANARY_READY: (str(ready), reason, "")})
+        else:
+            status.pop("canaryStatuses", None)
+            status["conditions"] = [
+                c for c in status.get("conditions") or [] if c["type"] != CANARY_READY
+            ]
+        for dname in list(state.deployments):  # the orphan cleanup
+            if dname not in expected:
+                for rec in state.deployments.pop(dname).pods:
+                    self._delete_pod(isvc, rec)
+        busy = self._roll(isvc, state, stable, predictor, runtime) or busy
+        dep = state.deployments[stable]
+        available = [p for p in dep.pods if p.ready]
+        newest = dep.pods[-1]
+        rs = newest.name
+        if available:
+            ready = ("True", "MinimumReplicasAvailable", "Deployment has minimum availability.")
+        else:
+            ready = (
+                "False",
+                "MinimumReplicasUnavailable",
+                "Deployment does not have minimum availability.",
+            )
+        if newest.ready and len(dep.pods) == 1:  # Progressing True NewReplicaSetAvailable
+            ready = (
+                "True",
+                "NewReplicaSetAvailable",
+                f'ReplicaSet "{rs}" has successfully progressed.',
+            )
+        pred = dict((status.get("components") or {}).get("predictor") or {})
+        url = f"http://127.0.0.1:{available[0].port}" if available else ""
+        if ready[0] == "True":
+            pred["url"] = url
+        status.setdefault("components", {})["predictor"] = pred
+        status["observedGeneration"] = dep.generation
+        conds: dict[str, tuple[str, str, str]] = {"PredictorReady": ready}
+        ingress = find_condition(status, "IngressReady") or {}
+        if ready[0] == "True" or ingress.get("status") == "True":
+            conds["IngressReady"] = ("True", "", "")
+        self._set_conditions(status, conds)
+        if ready[0] == "True":
+            status["url"] = url
+            status["address"] = {"url": url}
+        status["modelStatus"] = self._raw_model_status(isvc, status, dep)
+        self._write(key, isvc, status)
+        if busy:
+            self.requeue(key, 0.1)
+
+    def _raw_template(
+        self, isvc: dict[str, Any], predictor: dict[str, Any], runtime: dict[str, Any] | None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """The pod template's labels and annotations (predictor.go buildObjectMeta: the
+        runtime's, the InferenceService's, the predictor's, later winning; annotations on
+        the disallowed list left out; the storage initializer's source URI annotation)."""
+        meta = isvc["metadata"]
+        rspec = (runtime or {}).get("spec") or {}
+
+        def allowed(a: dict[str, Any] | None) -> dict[str, str]:
+            return {k: v for k, v in (a or {}).items() if k not in DISALLOWED_ANNOTATIONS}
+
+        annotations = allowed(meta.get("annotations"))
+        uri = ((predictor.get("model") or {}).get("storageUri")) or ""
+        if uri:
+            annotations[STORAGE_URI_ANNOTATION] = uri
+        annotations = {
+            **allowed(rspec.get("annotations")),
+            **annotations,
+            **allowed(predictor.get("annotations")),
+        }
+        labels = {
+            **(rspec.get("labels") or {}),
+            **(meta.get("labels") or {}),
+            **(predictor.get("labels") or {}),
+            ISVC_LABEL: meta["name"],
+            COMPONENT_LABEL: "predictor",
+        }
+        return labels, annotations
+
+    def _roll(
+        self,
+        isvc: dict[str, Any],
+        state: _State,
+        dname: str,
+        predictor: dict[str, Any],
+        runtime: dict[str, Any] | None,
+    ) -> bool:
+        """A Deployment's rolling update (deployment_reconciler.go setDefaultDeploymentSpec:
+        maxSurge and maxUnavailable 25%, of one replica: one new pod, none unavailable): a
+        changed pod template starts a pod of a new ReplicaSet; the old pods serve until it
+        is ready, then go. Whether it is still on its way."""
+        labels, annotations = self._raw_template(isvc, predictor, runtime)
+        body = {"labels": labels, "annotations": annotations}
+        body["spec"] = self._ksvc_pod(isvc, predictor, runtime)
+        for k in ("minReplicas", "maxReplicas"):
+            body["spec"].pop(k, None)
+        template = json.dumps(body, sort_keys=True)
+        dep = state.deployments.setdefault(dname, _Deployment(dname))
+        if not dep.pods or dep.pods[-1].template != template:
+            dep.generation += 1
+            digest = hashlib.sha256(template.encode()).hexdigest()[:10]
+            rec = _Revision(
+                f"{dname}-{digest}",
+                template,
+                isvc["metadata"]["name"],
+                copy.deepcopy(predictor),
+                copy.deepcopy(runtime),
+            )
+            # an old ReplicaSet's pod that never became available is scaled down at once
+            for old in [p for p in dep.pods if not p.ready]:
+                self._delete_pod(isvc, old)
+            dep.pods = [p for p in dep.pods if p.ready] + [rec]
+            self._start_raw(isvc, rec, labels, annotations)
+        busy = False
+        for rec in dep.pods:
+            busy = self._observe_raw(isvc, rec) or busy
+        if dep.pods[-1].ready and len(dep.pods) > 1:
+            for old in dep.pods[:-1]:
+                self._delete_pod(isvc, old)
+            dep.pods = dep.pods[-1:]
+        return busy or not dep.pods[-1].ready
+
+    def _start_raw(
+        self,
+        isvc: dict[str, Any],
+        rec: _Revision,
+        labels: dict[str, str],
+        annotations: dict[str, str],
+    ) -> None:
+        """The Deployment's pod: its template's labels (with `app: isvc.<deployment>`,
+        deployment_reconciler.go createRawDefaultDeployment) and annotations, restartPolicy
+        Always and the default TCP readiness probe (setDefaultPodSpec) on the sim's port."""
+        try:
+            pod = self._pod(isvc, rec, rec.predictor, rec.runtime)
+        except _CannotRun as e:
+            rec.failed, rec.log_tail = True, str(e)
+            return
+        spec = pod["spec"]
+        spec["restartPolicy"] = "Always"
+        for c in spec["containers"]:
+            c["readinessProbe"] = {"tcpSocket": {"port": rec.port}, "periodSeconds": 10}
+        dname = rec.name.rsplit("-", 1)[0]
+        pod_labels = {
+            **labels,
+            "app": f"isvc.{dname}",  # constants.go GetRawServiceLabel
+            "pod-template-hash": rec.name.rsplit("-", 1)[1],
+        }
+        self._create_pod(
+            isvc,
+            rec,
+            {"annotations": {**annotations, **pod["annotations"]}, "spec": spec},
+            pod_labels,
+        )
+
+    def _observe_raw(self, isvc: dict[str, Any], rec: _Revision) -> bool:
+        """A Deployment pod's readiness is its Ready condition (the kubelet's probe); one
+        deleted under us is replaced by its ReplicaSet. Whether it is not ready yet."""
+        if rec.failed or not rec.pod:
+            return False
+        pod = self.fake.get_object("pods", rec.pod, isvc["metadata"]["namespace"])
+        if pod is None:
+            rec.ready = False
+            labels, annotations = self._raw_template(isvc, rec.predictor, rec.runtime)
+            self._start_raw(isvc, rec, labels, annotations)
+            return True
+        rec.ready = bool(
+            not pod["metadata"].get("deletionTimestamp")
+            and is_true(pod.get("status") or {}, "Ready")
+        )
+        return not rec.ready
+
+    def _delete_pod(self, isvc: dict[str, Any], rec: _Revision) -> None:
+        rec.scaled_down = True
+        if rec.pod:
+            with contextlib.suppress(ApiError):
+                self.fake.delete_object("pods", rec.pod, isvc["metadata"]["namespace"])
+
+    def _raw_model_status(
+        self, isvc: dict[str, Any], status: dict[str, Any], dep: _Deployment
+    ) -> dict[str, Any]:
+        """inference_service_status.go PropagateModelStatus with rawDeployment: the pods of
+        the stable Deployment (label app); none: Pending; Ready: Loaded; else by the first
+        pod's kserve-container: terminated Error or CrashLoopBackOff FailedToLoad
+        (ModelLoadFailed, message, exit code), otherwise Pending."""
+        model = copy.deepcopy(status.get("modelStatus") or {})
+        ns = isvc["metadata"]["namespace"]
+        pods = [
+            self.fake.get_object("pods", r.pod, ns) for r in dep.pods if r.pod and not r.scaled_down
+        ]
+        live = [p for p in pods if p is not None]
+        ready = sum(1 for p in live if is_true(p.get("status") or {}, "Ready"))
+        model["copies"] = {**(model.get("copies") or {"failedCopies": 0}), "totalCopies": ready}
+
+        def update(state: str, info: dict[str, Any] | None = None) -> None:
+            states = model.setdefault("states", {"activeModelState": ""})
+            states["targetModelState"] = state
+            if state == "Pending":
+                model["transitionStatus"] = "InProgress"
+            elif state == "Loaded":
+                model["transitionStatus"] = "UpToDate"
+                states["activeModelState"] = "Loaded"
+            elif state == "FailedToLoad":
+                model["transitionStatus"] = "BlockedByFailedLoad"
+            if info is not None:
+                model["lastFailureInfo"] = info
+
+        if not live:
+            update("Pending")
+        elif is_true(status, "Ready"):
+            update("Loaded")
+        else:
+            update("Pending")
+            for cs in (live[0].get("status") or {}).get("containerStatuses") or []:
+                if cs.get("name") != CONTAINER:
+                    continue
+                st = cs.get("state") or {}
+                terminated = st.get("terminated") or {}
+                if (st.get("waiting") or {}).get("reason") == "CrashLoopBackOff":
+                    terminated = (cs.get("lastState") or {}).get("terminated") or {}
+                elif terminated.get("reason") != "Error":
+                    terminated = {}
+                if terminated:
+                    log = self.fake.pod_log(ns, live[0]["metadata"]["name"])
+                    message = terminated.get("message") or " ".join(log.strip().splitlines()[-3:])
+                    update(
+                        "FailedToLoad",
+                        {
+                            "reason": "ModelLoadFailed",
+                            "message": message,
+                            "exitCode": terminated.get("exitCode"),
+                        },
+                    )
+        return model
 
     # ------------------------------------------------------------ runtimes
 
@@ -665,6 +1278,26 @@ class KServe(Controller):
             return revision
         self._create_pod(isvc, revision, pod)
         return revision
+
+    @staticmethod
+    def _ksvc_pod(
+        isvc: dict[str, Any], predictor: dict[str, Any], runtime: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """The pod spec KServe puts in the Knative Service (predictor.go buildPodSpec: the
+        predictor's pod fields over the runtime's, the merged kserve-container)."""
+        pod = {k: v for k, v in predictor.items() if k in PODSPEC_FIELDS}
+        if runtime is not None:
+            spec = runtime["spec"]
+            for k in PODSPEC_FIELDS:
+                if k in spec and k not in pod and k != "containers":
+                    pod[k] = spec[k]
+            base = next((c for c in spec.get("containers") or [] if c.get("name") == CONTAINER), {})
+            pod["containers"] = [
+                replace_placeholders(
+                    merge_runtime_container(base, predictor["model"]), isvc["metadata"]
+                )
+            ]
+        return pod
 
     def _pod(
         self,
@@ -787,17 +1420,26 @@ class KServe(Controller):
             p["containerPort"] = revision.port
         return container, mount
 
-    def _create_pod(self, isvc: dict[str, Any], revision: _Revision, pod: dict[str, Any]) -> None:
+    def _create_pod(
+        self,
+        isvc: dict[str, Any],
+        revision: _Revision,
+        pod: dict[str, Any],
+        labels: dict[str, str] | None = None,
+    ) -> None:
         meta = isvc["metadata"]
         name, ns = meta["name"], meta["namespace"]
         suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
-        revision.pod = f"{revision.name}-deployment-{suffix}"
+        revision.pod = (
+            f"{revision.name}-{suffix}" if labels else f"{revision.name}-deployment-{suffix}"
+        )
         body = {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {
                 "name": revision.pod,
-                "labels": {
+                "labels": labels
+                or {
                     ISVC_LABEL: name,
                     "component": "predictor",
                     REVISION_LABEL: revision.name,

@@ -60,7 +60,9 @@ real component does it for:
 
 Pods stored by a test as Running or finished (FakeK8s.add_pod(phase=...)) are left alone.
 Not simulated: init containers, sidecars (only the first container runs; the others mirror
-its state; Katib's metrics collector is played by katib_controller.py), probes, images,
+its state; Katib's metrics collector is played by katib_controller.py), probes but a
+numeric tcpSocket readinessProbe (Ready once 127.0.0.1:<port> accepts a connection, polled
+every 0.1 s, no failure threshold: KServe's raw Deployments set one), images,
 resource limits, ports (programs use 127.0.0.1 and real ports), the image's STOPSIGNAL
 (always SIGTERM).
 """
@@ -73,6 +75,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -497,9 +500,17 @@ class Kubelet(Controller):
                     self.fake.append_log(ns, name, message + "\n")
                 else:
                     running = {"running": {"startedAt": started}}
+                    probe = tcp_readiness_port(container)
                     self._set_status(
-                        proc.key, self._status(pod, "Running", running, restarts, last)
+                        proc.key,
+                        self._status(pod, "Running", running, restarts, last, ready=probe is None),
                     )
+                    if probe is not None:
+                        threading.Thread(
+                            target=self._await_ready,
+                            args=(proc, proc.proc, probe, pod, running, restarts, last),
+                            daemon=True,
+                        ).start()
                     pump = threading.Thread(
                         target=self._pump, args=(proc.proc, ns, name), daemon=True
                     )
@@ -540,6 +551,31 @@ class Kubelet(Controller):
             proc.done.set()
             self._release(proc.uid)
 
+    def _await_ready(
+        self,
+        proc: _Proc,
+        popen: subprocess.Popen[bytes],
+        port: int,
+        pod: dict[str, Any],
+        running: dict[str, Any],
+        restarts: int,
+        last: dict[str, Any] | None,
+    ) -> None:
+        """The readiness prober (tcpSocket): Ready once the port accepts a connection, while
+        this run of the container lives."""
+        while not proc.deleted and popen.poll() is None:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", port), timeout=0.5),
+            ):
+                with self._lock:
+                    if proc.deleted or popen.poll() is not None:
+                        return
+                    status = self._status(pod, "Running", running, restarts, last)
+                self._set_status(proc.key, status)
+                return
+            time.sleep(0.1)
+
     def _pump(self, popen: subprocess.Popen[bytes], ns: str, name: str) -> None:
         """Copy the container's output to the pod log as it comes."""
         assert popen.stdout is not None
@@ -571,9 +607,10 @@ class Kubelet(Controller):
         *,
         reason: str | None = None,
         message: str | None = None,
+        ready: bool = True,
     ) -> dict[str, Any]:
         now = now_rfc3339()
-        ready = phase == "Running" and state is not None and "running" in state
+        ready = ready and phase == "Running" and state is not None and "running" in state
         prior = pod.get("status") or {}
         status: dict[str, Any] = {
             "phase": phase,
@@ -687,6 +724,13 @@ class Kubelet(Controller):
         super().stop()
         for t in self._threads:
             t.join(timeout=5)
+
+
+def tcp_readiness_port(container: dict[str, Any]) -> int | None:
+    """The port of a container's tcpSocket readinessProbe (numeric only), else None."""
+    probe = (container.get("readinessProbe") or {}).get("tcpSocket") or {}
+    port = probe.get("port")
+    return port if isinstance(port, int) else None
 
 
 def find_cond(status: dict[str, Any], ctype: str) -> dict[str, Any] | None:

@@ -15,7 +15,8 @@ pods run as local processes:
   resume, TTL, cleanPodPolicy).
 - katib_controller.py: kubeflow.org/v1beta1 Experiment and Trial (suggestions, trial jobs,
   the StdOut metrics collector, experiment conditions and currentOptimalTrial).
-- kserve_controller.py: serving.kserve.io/v1beta1 InferenceService in Knative mode (serving
+- kserve_controller.py: serving.kserve.io/v1beta1 InferenceService in Knative and Standard
+  mode (`crds_without_canary` for a KServe before spec.canary) (serving
   runtimes, one with KServe's Hugging Face runtime installed; revisions, each a predictor
   process on a free port, ready through the V1 protocol; canary traffic and tags; KServe's
   status). `sim.kserve.add_runtime(...)` installs more runtimes.
@@ -179,3 +180,27 @@ class SimCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not within {timeout_s}s: {what or predicate}")
             time.sleep(0.02)
+
+
+def crds_without_canary(directory: Path) -> Path:
+    """A copy of the vendored CRDs whose InferenceService has no spec.canary and no
+    status.canaryStatuses (KServe before 0.20), for SimCluster(crds=...): the API server
+    then refuses a spec.canary as an unknown field (k8s_schemas.py unknown_fields)."""
+    import shutil
+
+    import yaml
+
+    from .k8s_schemas import crds_dir
+
+    out = Path(directory) / "crds-no-canary"
+    shutil.copytree(crds_dir(), out, dirs_exist_ok=True)
+    path = out / "serving.kserve.io_inferenceservices.yaml"
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load(path.read_text(), Loader=loader)
+    for version in crd["spec"]["versions"]:
+        props = version["schema"]["openAPIV3Schema"]["properties"]
+        props["spec"]["properties"].pop("canary", None)
+        props.get("status", {}).get("properties", {}).pop("canaryStatuses", None)
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    path.write_text(yaml.dump(crd, Dumper=dumper))
+    return out

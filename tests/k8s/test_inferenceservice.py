@@ -11,6 +11,7 @@ cluster, with real predictor processes.
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,7 +209,8 @@ PROMOTED = status(
 def stored(fake: FakeK8s, st: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """InferenceService llm as `request(**overrides)` left it, with status `st`; with the
     canary share in its spec where `st` splits traffic (a `prev` target)."""
-    split = any(t.get("tag") == "prev" for t in st["components"]["predictor"]["traffic"])
+    traffic = st["components"]["predictor"].get("traffic") or []
+    split = any(t.get("tag") == "prev" for t in traffic)
     body = build_inferenceservice(request(**overrides), canary=split)
     fake.create_object("inferenceservices", body, NS)
     fake.set_status("inferenceservices", "llm", st, namespace=NS)
@@ -245,9 +247,12 @@ def test_huggingface_runtime_body_is_the_model_kserve_expects(fake_k8s: FakeK8s)
     assert model["securityContext"]["readOnlyRootFilesystem"] is True
     assert model["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"}]
     assert predictor["volumes"] == [{"name": "scratch", "emptyDir": {}}]
-    # python/huggingface_server.Dockerfile: USER 1000
-    assert predictor["securityContext"]["runAsUser"] == 1000
-    assert predictor["securityContext"]["runAsNonRoot"] is True
+    # python/huggingface_server.Dockerfile: USER 1000, on the container: Knative's
+    # PodSpecMask admits no pod-level securityContext under its default feature flags
+    assert "securityContext" not in predictor
+    assert model["securityContext"]["runAsUser"] == 1000
+    assert model["securityContext"]["runAsNonRoot"] is True
+    assert model["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert predictor["automountServiceAccountToken"] is False
     assert "canaryTrafficPercent" not in predictor  # a create takes all traffic
     assert body["metadata"]["annotations"] == {
@@ -329,7 +334,8 @@ def test_resources_replicas_and_gpus_come_from_the_request(
         ]
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env == {"STORAGE_URI": "pvc://kubellm-workspace/serve/v1", "HOME": "/tmp"}
-        assert predictor["securityContext"]["runAsUser"] == 10001  # our images' user
+        assert container["securityContext"]["runAsUser"] == 10001  # our images' user
+        assert "securityContext" not in predictor  # Knative's PodSpecMask
 
 
 @pytest.mark.parametrize("share", [0, 10, 100])
@@ -609,13 +615,189 @@ def test_redeploying_what_serves_changes_nothing(fake_k8s: FakeK8s) -> None:
     assert puts(fake_k8s) == [] and fake_k8s.deleted == []
 
 
-def test_a_raw_deployment_has_no_canary_so_nothing_changes(fake_k8s: FakeK8s) -> None:
-    stored(fake_k8s, {**SERVING, "deploymentMode": "RawDeployment"})
+# ---------------------------------------------------------------- whose service, which mode
 
-    with pytest.raises(JobFailed, match=r"RawDeployment deployment mode.*still serves"):
-        server(fake_k8s).deploy(request(model_uri="pvc://kubellm-workspace/serve/v2"))
+
+def test_a_service_of_another_run_that_serves_nothing_is_left_alone(fake_k8s: FakeK8s) -> None:
+    """Another run's first deployment, still starting: never replaced in place."""
+    stored(fake_k8s, STARTING, run_tag="run-other")
+
+    with pytest.raises(JobFailed, match=r"deployed by run 'run-other' and serves nothing"):
+        server(fake_k8s).deploy(request())
 
     assert puts(fake_k8s) == [] and fake_k8s.deleted == []
+
+
+def test_a_first_deploy_taken_over_by_another_run_is_not_deleted(fake_k8s: FakeK8s) -> None:
+    """The timeout of a first deployment deletes the service only while it is ours."""
+    fake_k8s.script_status("inferenceservices", "llm", [STARTING], namespace=NS)
+
+    def take_over() -> None:  # another run deploys over it while we wait
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            obj = fake_k8s.get_object("inferenceservices", "llm", NS)
+            if obj is not None:
+                obj["metadata"]["annotations"]["kubellm/run-tag"] = "run-2"
+                fake_k8s.put_object("inferenceservices", obj)
+                return
+            time.sleep(0.01)
+
+    import threading
+
+    helper = threading.Thread(target=take_over)
+    helper.start()
+    with pytest.raises(JobTimeout, match=r"kept: run 'run-2' has deployed it since"):
+        server(fake_k8s).deploy(request(timeout_s=0.5))
+    helper.join()
+
+    assert fake_k8s.deleted == []
+
+
+DENIED = (
+    'fails to reconcile predictor: admission webhook "validation.webhook.serving.knative.dev" '
+    "denied the request: validation failed: must not set the field(s): "
+    "spec.template.spec.securityContext"
+)
+
+
+def test_a_knative_service_denied_by_knative_fails_at_once(fake_k8s: FakeK8s) -> None:
+    """components/predictor.go: the ksvc's create error as PredictorReady False
+    ReconcileFailed (modelStatus untouched): the same on every retry, so no timeout."""
+    refused = status(
+        "",
+        "",
+        ready_status="False",
+        reason="ReconcileFailed",
+        message=DENIED,
+        model="InProgress",
+    )
+    fake_k8s.script_status("inferenceservices", "llm", [{}, refused], namespace=NS)
+
+    with pytest.raises(JobFailed, match=r"ReconcileFailed: .*must not set the field") as info:
+        server(fake_k8s).deploy(request(timeout_s=5.0))
+
+    assert not isinstance(info.value, JobTimeout)
+    assert "it has been deleted" in str(info.value)
+
+
+def standard(ready: bool = True, *, canary: tuple[str, bool] | None = None) -> dict[str, Any]:
+    """A Standard (RawDeployment) status: inference_service_status.go PropagateRawStatus,
+    no revisions or traffic; canaryStatuses with spec.canary (predictor.go)."""
+    cond = "True" if ready else "Unknown"
+    out: dict[str, Any] = {
+        "observedGeneration": 1,
+        "deploymentMode": "Standard",
+        "components": {"predictor": {"url": PREDICTOR_ADDRESS} if ready else {}},
+        "conditions": [
+            condition("IngressReady", cond),
+            condition("PredictorReady", cond, "NewReplicaSetAvailable" if ready else ""),
+            condition("Ready", cond),
+        ],
+        "modelStatus": {"transitionStatus": "UpToDate" if ready else "InProgress"},
+    }
+    if ready:
+        out.update(url=URL, address={"url": ADDRESS})
+    if canary is not None:
+        out["canaryStatuses"] = [{"name": canary[0], "ready": canary[1], "trafficPercent": 10}]
+        out["conditions"].append(condition("CanaryPredictorReady", str(canary[1])))
+    return out
+
+
+def predictor_pod(fake: FakeK8s, name: str, run_tag: str = "run-1", version: str = "1") -> None:
+    """A ready predictor pod with the InferenceService's annotations (buildObjectMeta)."""
+    fake.put_object(
+        "pods",
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": NS,
+                "labels": {"serving.kserve.io/inferenceservice": "llm", "component": "predictor"},
+                "annotations": {"kubellm/run-tag": run_tag, "kubellm/model-version": version},
+            },
+            "spec": {"containers": [{"name": "kserve-container", "image": "x"}]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
+        },
+    )
+
+
+def test_a_first_deploy_in_standard_mode_waits_for_ready_and_the_url(fake_k8s: FakeK8s) -> None:
+    """Standard mode has no revisions: Ready, the address and the pods say it serves."""
+    predictor_pod(fake_k8s, "llm-predictor-abc")
+    fake_k8s.script_status(
+        "inferenceservices", "llm", [{}, standard(ready=False), standard()], namespace=NS
+    )
+
+    rollout = server(fake_k8s).deploy(request())
+
+    assert (rollout.canary, rollout.mode, rollout.endpoint.url) == (False, "Standard", ADDRESS)
+    assert fake_k8s.deleted == []
+
+
+def test_a_standard_canary_goes_beside_the_stable_predictor(fake_k8s: FakeK8s) -> None:
+    """KServe 0.20 spec.canary: the stable predictor and the InferenceService's metadata stay
+    as they are (no restart of what serves); the canary has its own Service."""
+    before = stored(fake_k8s, standard())
+    urls: list[tuple[str, str]] = []
+
+    def service_url(ns: str, svc: str) -> str:
+        urls.append((ns, svc))
+        return f"http://{svc}.{ns}.test"
+
+    def ready_when_sent() -> None:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if puts(fake_k8s):
+                (entry,) = puts(fake_k8s)[0]["spec"]["canary"]
+                name = entry["predictor"]["name"]
+                fake_k8s.script_status(
+                    "inferenceservices", "llm", [standard(canary=(name, True))], namespace=NS
+                )
+                return
+            time.sleep(0.01)
+
+    import threading
+
+    helper = threading.Thread(target=ready_when_sent)
+    helper.start()
+    srv = server(fake_k8s, service_url=service_url)
+    rollout = srv.deploy(request(model_uri="pvc://kubellm-workspace/serve/v2", version="2"))
+    helper.join()
+
+    (update,) = puts(fake_k8s)
+    assert update["spec"]["predictor"] == before["spec"]["predictor"]  # untouched
+    (entry,) = update["spec"]["canary"]
+    assert entry["trafficPercent"] == 10
+    canary = entry["predictor"]
+    assert canary["name"].startswith("v2-")
+    assert canary["model"]["storageUri"].endswith("/serve/v2")
+    assert "maxReplicas" not in canary and "minReplicas" not in canary  # validateCanarySpecs
+    assert canary["annotations"]["kubellm/run-tag"] == "run-1"
+    assert update["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "Standard"
+    assert update["metadata"]["annotations"]["kubellm/model-version"] == "1"  # the stable's
+    assert (rollout.canary, rollout.previous, rollout.mode) == (True, "llm-predictor", "Standard")
+    assert urls == [(NS, f"llm-{canary['name']}-predictor")]
+    assert rollout.endpoint.url == f"http://llm-{canary['name']}-predictor.default.test"
+    assert fake_k8s.deleted == []
+
+
+def test_the_mode_comes_from_status_annotation_then_kserves_configmap() -> None:
+    """utils.go GetDeploymentMode's order; the default from kserve/inferenceservice-config."""
+    from fakes.k8s_schemas import crds_dir
+    from kubellm.backends.kubernetes.inferenceservice import recorded_mode
+
+    assert recorded_mode({"status": {"deploymentMode": "RawDeployment"}}) == "Standard"
+    annotated = {"metadata": {"annotations": {"serving.kserve.io/deploymentMode": "Serverless"}}}
+    assert recorded_mode(annotated) == "Knative"
+    assert recorded_mode({"metadata": {"annotations": {"x": "y"}}}) == ""
+    with FakeK8s(crds_dir(), rbac=None) as fake:
+        srv = server(fake)
+        assert srv._mode({}) == ""  # no ConfigMap: unknown, said
+        deploy = '{"defaultDeploymentMode": "RawDeployment"}'
+        fake.config_maps[("kserve", "inferenceservice-config")] = {"deploy": deploy}
+        assert srv._mode({}) == "Standard"
+        assert srv._mode(annotated) == "Knative"
 
 
 # ---------------------------------------------------------------- promote
@@ -785,3 +967,101 @@ def test_delete_of_a_missing_service_is_a_no_op(fake_k8s: FakeK8s) -> None:
     assert any(
         "/namespaces/team-a/inferenceservices/nothing-here" in r.path for r in fake_k8s.requests
     )
+
+
+def standard_with_canary(fake: FakeK8s) -> tuple[dict[str, Any], str]:
+    """llm serving version 1 in Standard mode, version 2 of run-2 as a ready spec.canary."""
+    from kubellm.backends.kubernetes.inferenceservice import standard_canary
+
+    current = stored(fake, standard())
+    new = request(model_uri="pvc://kubellm-workspace/serve/v2", version="2", run_tag="run-2")
+    entry = standard_canary(new, build_inferenceservice(new), current)
+    current["spec"]["canary"] = [entry]
+    current["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] = "Standard"
+    fake.put_object("inferenceservices", current)
+    name = entry["predictor"]["name"]
+    fake.set_status("inferenceservices", "llm", standard(canary=(name, True)), namespace=NS)
+    return current, name
+
+
+def test_a_standard_promotion_moves_the_canary_into_the_predictor(fake_k8s: FakeK8s) -> None:
+    """KServe's promotion without restart: predictor.name set to the canary's, the entry
+    removed (inference_service.go InferenceServiceSpec.Canary)."""
+    _, name = standard_with_canary(fake_k8s)
+    with_canary = standard(canary=(name, True))
+    fake_k8s.script_status(
+        "inferenceservices", "llm", [with_canary, with_canary, standard()], namespace=NS
+    )
+
+    endpoint = server(fake_k8s).promote("llm", NS)
+
+    (update,) = puts(fake_k8s)
+    assert "canary" not in update["spec"]
+    predictor = update["spec"]["predictor"]
+    assert predictor["name"] == name and "name" not in predictor["model"]
+    assert predictor["model"]["storageUri"].endswith("/serve/v2")
+    assert (predictor["minReplicas"], predictor["maxReplicas"]) == (1, 1)  # the stable's
+    assert predictor["annotations"]["kubellm/run-tag"] == "run-2"
+    assert endpoint.url == ADDRESS and fake_k8s.deleted == []
+
+
+@pytest.mark.parametrize("run_tag", ["run-2", "run-1"])
+def test_a_standard_rollback_removes_only_its_own_canary(run_tag: str, fake_k8s: FakeK8s) -> None:
+    _, name = standard_with_canary(fake_k8s)
+    with_canary = standard(canary=(name, True))
+    fake_k8s.script_status(
+        "inferenceservices", "llm", [with_canary, with_canary, standard()], namespace=NS
+    )
+
+    said = server(fake_k8s).rollback("llm", run_tag, NS)
+
+    if run_tag == "run-1":  # the stable's run, not the canary's: nothing changes
+        assert "kept as it is: run 'run-2'" in said and puts(fake_k8s) == []
+        return
+    (update,) = puts(fake_k8s)
+    assert "canary" not in update["spec"] and "llm-predictor serves all traffic" in said
+    assert fake_k8s.deleted == []
+
+
+def test_standard_mode_without_spec_canary_is_a_full_rollout(
+    fake_k8s: FakeK8s, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KServe < 0.20: its CRD has no spec.canary, so the API server prunes the field from the
+    update (fieldValidation's default, Warn) and returns the object without it. The new
+    version then replaces the old in place, said, and a rollback puts the old one back."""
+    from kubellm.backends.kubernetes import inferenceservice as isvc
+
+    def pruned(obj: dict[str, Any], entry: dict[str, Any]) -> None:
+        obj["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] = "Standard"
+
+    monkeypatch.setattr(isvc, "_put_canary", pruned)
+    fake = fake_k8s
+    stored(fake, standard())
+    predictor_pod(fake, "llm-predictor-new", version="2")  # the rolled pods, ready
+    fake.script_status(
+        "inferenceservices",
+        "llm",
+        [standard(), standard(), standard(ready=False), standard()],
+        namespace=NS,
+    )
+    v2 = request(model_uri="pvc://kubellm-workspace/serve/v2", version="2")
+
+    rollout = server(fake).deploy(v2)
+
+    assert (rollout.full_rollout, rollout.canary, rollout.previous) == (True, False, "1")
+    update = puts(fake)[-1]
+    assert "canary" not in update["spec"]
+    assert update["spec"]["predictor"]["model"]["storageUri"].endswith("/serve/v2")
+    previous = json.loads(update["metadata"]["annotations"]["kubellm/previous"])
+    assert previous["predictor"]["model"]["storageUri"].endswith("/serve/v1")
+    assert previous["annotations"]["kubellm/model-version"] == "1"
+
+    fake.delete_object("pods", "llm-predictor-new", NS)  # the Deployment rolls back
+    predictor_pod(fake, "llm-predictor-old", version="1")
+    said = server(fake).rollback("llm", "run-1", NS)
+
+    restored = puts(fake)[-1]
+    assert restored["spec"]["predictor"]["model"]["storageUri"].endswith("/serve/v1")
+    assert "kubellm/previous" not in restored["metadata"]["annotations"]
+    assert "version 1 restored by a full rollout" in said
+    assert ("inferenceservices", NS, "llm") not in fake.deleted and fake.errors == []

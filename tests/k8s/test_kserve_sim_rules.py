@@ -7,6 +7,7 @@ from typing import Any
 
 from fakes.kserve_controller import (
     DISALLOWED_ANNOTATIONS,
+    knative_disallowed,
     ksvc_traffic,
     merge_runtime_container,
     parse_deployment_mode,
@@ -121,3 +122,37 @@ def test_a_runtime_without_kserves_container_is_an_invalid_predictor_spec() -> N
         "failed to find kserve-container in ServingRuntime containers"
     )
     assert runtime_container_error({"containers": [{"name": "kserve-container"}]}) is None
+
+
+def test_knatives_field_masks_under_default_flags() -> None:
+    # fieldmask.go PodSpecMask / PodSecurityContextMask / SecurityContextMask at knative-v1.21.1
+    pod = {
+        "containers": [
+            {
+                "name": "kserve-container",
+                "image": "x",
+                "securityContext": {
+                    "runAsNonRoot": True,
+                    "runAsUser": 1000,
+                    "allowPrivilegeEscalation": False,
+                    "privileged": False,
+                    "capabilities": {"drop": ["ALL"]},
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+            }
+        ],
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "automountServiceAccountToken": False,
+        "hostIPC": False,
+    }
+    assert knative_disallowed(pod) == []
+    pod["securityContext"] = {"runAsUser": 1000, "fsGroupChangePolicy": "OnRootMismatch"}
+    pod["nodeSelector"] = {"gpu": "a100"}
+    pod["containers"][0]["securityContext"]["capabilities"]["add"] = ["NET_ADMIN"]
+    assert knative_disallowed(pod) == [
+        "spec.template.spec.nodeSelector",
+        "spec.template.spec.securityContext",
+        "spec.template.spec.securityContext.runAsUser",
+        "spec.template.spec.securityContext.fsGroupChangePolicy",
+        "spec.template.spec.containers[0].securityContext.capabilities.add",
+    ]

@@ -237,3 +237,44 @@ def test_a_user_task_from_eval_data_is_what_exact_match_measures(
     assert result.metrics["eval_examples"] == 5
     assert result.metrics["gen_latency_ms"] > 0 and result.metrics["gen_tokens_per_sec"] > 0
     assert result.metrics["eval_loss"] == chain.results["evaluate"].metrics["eval_loss"]
+
+
+def test_evaluate_measures_in_the_serving_dtype(
+    chain: Chain, ctx: StageContext, monkeypatch: Any
+) -> None:
+    """The smoke test compares the server's answers with evaluate's, so evaluate loads the
+    weights in the dtype the runtime serves them in (serving_dtype, its --dtype)."""
+    import torch
+
+    from kubellm.serve import generate
+
+    loaded: list[Any] = []
+    real_load = generate.load_model
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        model, tokenizer = real_load(*args, **kwargs)
+        loaded.append(next(model.parameters()).dtype)
+        return model, tokenizer
+
+    monkeypatch.setattr("kubellm.evaluate.metrics.load_model", spy)
+    # model_copy skips validation: locally only float32 is allowed (kubellm serve's)
+    bf16 = StageContext(
+        ctx.cfg.model_copy(update={"serving_dtype": "bfloat16"}),
+        ctx.tracker,
+        ctx.parent_run_id,
+        RUN,
+    )
+    out = chain.root / "bf16-predictions.json"
+    result = evaluate.run(bf16, chain.artifact("model"), chain.artifact("dataset"), str(out))
+    assert loaded and set(loaded) == {torch.bfloat16}
+    assert result.metrics["eval_examples"] == chain.results["evaluate"].metrics["eval_examples"]
+    assert len(json.loads(out.read_text())) == result.metrics["eval_examples"]
+
+
+def test_load_model_refuses_a_dtype_that_is_not_a_float(chain: Chain) -> None:
+    import pytest
+
+    from kubellm.serve.generate import load_model
+
+    with pytest.raises(ValueError, match="'int8' is not a floating-point torch dtype"):
+        load_model(chain.artifact("model"), dtype="int8")

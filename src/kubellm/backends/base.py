@@ -16,7 +16,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from kubellm.serve.client import Endpoint
 from kubellm.tune.search import SearchParam, TuneResult
@@ -141,6 +141,9 @@ class ServeResources:
     gpus: int = 0  # nvidia.com/gpu per replica
     min_replicas: int = 1  # 0 scales to zero; the smoke test's first call then waits for a pod
     max_replicas: int = 1
+    # Where the replicas may run (the predictor's nodeSelector and tolerations, API form).
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,15 @@ class ServeRequest:
     # serves; a first deployment takes all traffic.
     canary_traffic_percent: int = 10
     resources: ServeResources = field(default_factory=ServeResources)
+    # The Hugging Face runtime's --dtype: "" leaves it to the runtime, whose default on a GPU
+    # is half precision for a float32 checkpoint (vLLM's auto; the HF backend's float16).
+    dtype: str = ""
+    max_model_len: int = 0  # the Hugging Face runtime's --max_model_len; 0: the model's own
+    # The predictor's serviceAccountName: KServe's storage initializer reads the storage
+    # credentials from its secrets; "": the namespace's `default` account.
+    service_account: str = ""
+    # No public URL: the service and its tag URLs (the canary's) stay inside the cluster.
+    cluster_local: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,6 +180,11 @@ class Rollout:
     endpoint: Endpoint  # the new revision's own address: what the smoke test calls
     canary: bool = False  # a previous revision still serves the other traffic
     previous: str = ""  # what serves the rest (a revision name), "" on a first deployment
+    # KServe's deployment mode ("Knative", "Standard"; "" where there is none: local).
+    mode: str = ""
+    # No canary was possible (KServe Standard mode without spec.canary): the new version
+    # replaced `previous` in place and takes all traffic; a rollback restores `previous`.
+    full_rollout: bool = False
 
 
 class Server(ABC):

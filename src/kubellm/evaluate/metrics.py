@@ -59,11 +59,17 @@ def evaluate(
     dataset_dir: str | Path,
     max_examples: int = 256,
     examples: list[dict[str, str]] | None = None,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """Metrics and the predictions on prompt/answer examples (the smoke test compares with
-    them): `examples` (a user task) or else the dataset's held-out ones."""
+    them): `examples` (a user task) or else the dataset's held-out ones. `dtype` (the
+    serving dtype, config serving_dtype) is what the weights are loaded in, so the smoke
+    test compares the server with answers computed at the precision it serves; None: the
+    checkpoint's own."""
     # a GPU when the step has one (evaluate_gpus), else the CPU
-    model, tokenizer = load_model(model_dir, device="cuda" if torch.cuda.is_available() else None)
+    model, tokenizer = load_model(
+        model_dir, device="cuda" if torch.cuda.is_available() else None, dtype=dtype
+    )
     loss = heldout_loss(model, dataset_dir)
     metrics: dict[str, Any] = {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
     scored = True

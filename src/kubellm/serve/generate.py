@@ -22,16 +22,26 @@ from kubellm.serve.layout import model_paths
 
 
 def load_model(
-    model_dir: str | Path, trust_remote_code: bool = False, device: str | None = None
+    model_dir: str | Path,
+    trust_remote_code: bool = False,
+    device: str | None = None,
+    dtype: str | None = None,
 ) -> tuple[Any, Any]:
     """Load a model directory (safetensors only) and its tokenizer, eval mode: a Hugging Face
     directory or a registered MLflow transformers model (kubellm.serve.layout); on `device`
-    when given (callers here pass their tensors on `model.device`)."""
+    when given (callers here pass their tensors on `model.device`); in `dtype` ("float32",
+    "bfloat16", "float16") when given, else the checkpoint's own."""
     weights, tokenizer = model_paths(model_dir)
     if not (weights / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a model directory: config.json is missing")
+    extra: dict[str, Any] = {}
+    if dtype is not None:
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+            raise ValueError(f"dtype {dtype!r} is not a floating-point torch dtype")
+        extra["dtype"] = torch_dtype
     model = AutoModelForCausalLM.from_pretrained(
-        str(weights), use_safetensors=True, trust_remote_code=trust_remote_code
+        str(weights), use_safetensors=True, trust_remote_code=trust_remote_code, **extra
     )
     model.eval()
     if device is not None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from kubellm.backends.base import ServeRequest, ServeResources, Workspace
+from kubellm.backends.base import Rollout, ServeRequest, ServeResources, Workspace
 from kubellm.config import PipelineConfig
 from kubellm.registry import download_hf_dir, get_version, is_object_store
 from kubellm.serve.layout import WEIGHTS_DIR
@@ -40,7 +40,14 @@ def serve_request(
     cfg: PipelineConfig, model_uri: str, kfp_run_id: str, version: str = ""
 ) -> ServeRequest:
     """The deployment of `model_uri` (registered version `version`) under the run's model
-    name, with the pipeline's serving runtime, resources, replicas and canary share."""
+    name, with the pipeline's serving runtime, resources, replicas, placement, canary share
+    and visibility.
+
+    The Hugging Face runtime gets `serving_dtype` as its --dtype always (float32 by default:
+    the checkpoint's dtype, which evaluate measured in), since its own default on a GPU is
+    half precision; `kubellm serve` (custom) loads the checkpoint as it is, so it gets none.
+    """
+    hf = cfg.serving_runtime == "huggingface"
     return ServeRequest(
         name=cfg.model_name,
         model_uri=model_uri,
@@ -57,7 +64,13 @@ def serve_request(
             gpus=cfg.serving_gpus,
             min_replicas=cfg.serving_min_replicas,
             max_replicas=cfg.serving_max_replicas,
+            node_selector=dict(cfg.serving_node_selector),
+            tolerations=[dict(t) for t in cfg.serving_tolerations],
         ),
+        dtype=cfg.serving_dtype if hf else "",
+        max_model_len=cfg.serving_max_model_len if hf else 0,
+        service_account=cfg.serving_service_account,
+        cluster_local=cfg.serving_cluster_local,
     )
 
 
@@ -102,6 +115,7 @@ def run(ctx: StageContext, model_dir: str | Path, version: str) -> Result:
                 "model_uri": request.model_uri,
                 "registry_source": str(mv.source),
                 "serving_runtime": request.runtime,
+                "serving_dtype": request.dtype or "checkpoint",
                 "canary_traffic_percent": request.canary_traffic_percent if rollout.canary else 100,
             },
             tags={"kubellm.endpoint": endpoint.url},
@@ -116,12 +130,12 @@ def run(ctx: StageContext, model_dir: str | Path, version: str) -> Result:
                     ("from the registry", str(mv.source)),
                     ("served from", request.model_uri),
                     ("runtime", request.runtime),
-                    ("traffic", _traffic(rollout.canary, rollout.previous, request)),
+                    ("traffic", _traffic(rollout, request)),
                     ("endpoint", endpoint.url),
                 ],
             ),
             headline=f"{cfg.model_name} v{version} ready at {endpoint.url} "
-            f"({_traffic(rollout.canary, rollout.previous, request)})",
+            f"({_traffic(rollout, request)})",
             endpoint=endpoint.url,
             model_uri=request.model_uri,
             canary=rollout.canary,
@@ -130,8 +144,19 @@ def run(ctx: StageContext, model_dir: str | Path, version: str) -> Result:
     )
 
 
-def _traffic(canary: bool, previous: str, request: ServeRequest) -> str:
-    if not canary:
+def _traffic(rollout: Rollout, request: ServeRequest) -> str:
+    """The traffic line of the step's output: a canary's share, or why all traffic."""
+    if rollout.full_rollout:
+        return (
+            f"all traffic: KServe {rollout.mode} mode here has no canary (spec.canary needs "
+            f"KServe >= 0.20), so the new pods replaced {rollout.previous or 'the previous'} "
+            "in a full rollout; the smoke test checks them, a failure restores it"
+        )
+    if not rollout.canary:
         return "all traffic (first deployment)"
     share = request.canary_traffic_percent
-    return f"canary: {share}% of traffic, {100 - share}% stays on {previous or 'the previous'}"
+    where = f" (KServe {rollout.mode} mode)" if rollout.mode else ""
+    return (
+        f"canary{where}: {share}% of traffic, {100 - share}% stays on "
+        f"{rollout.previous or 'the previous'}"
+    )

@@ -64,7 +64,9 @@ def champion_on(
     with tempfile.TemporaryDirectory(prefix="champion-") as tmp:
         # a Hugging Face directory whichever layout the version was registered in
         local = download_hf_dir(ctx.tracker.client, mv, Path(tmp) / "model")
-        scored: dict[str, Any] = evaluate(local, dataset_dir, examples=task)
+        scored: dict[str, Any] = evaluate(
+            local, dataset_dir, examples=task, dtype=ctx.cfg.serving_dtype
+        )
         metrics = dict(scored["metrics"])
         if not _same_tokenizer(local, dataset_dir):
             # its loss on another tokenizer's ids is meaningless; exact match is text
@@ -116,7 +118,8 @@ def run(
     cfg = ctx.cfg
     with ctx.stage("evaluate") as run_id:
         task = load_task(cfg.eval_data) if cfg.eval_data else None  # else the held-out examples
-        scored = evaluate(model_dir, dataset_dir, examples=task)
+        # in the dtype the model will be served in: the smoke test compares with these answers
+        scored = evaluate(model_dir, dataset_dir, examples=task, dtype=cfg.serving_dtype)
         metrics: dict[str, float] = dict(scored["metrics"])
         rival = champion_on(ctx, Path(dataset_dir), task)
         champion, about = rival.champion, rival.about

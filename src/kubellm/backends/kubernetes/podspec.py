@@ -179,3 +179,13 @@ def secret_env(secret: str, keys: dict[str, str]) -> list[k8s.V1EnvVar]:
         )
         for env, key in keys.items()
     ]
+
+
+def toleration(raw: dict[str, Any]) -> k8s.V1Toleration:
+    """A toleration from its API form (`tolerationSeconds` etc.), as the pipeline's
+    `tolerations` and `serving_tolerations` hold it; unknown keys are errors."""
+    names = {v: k for k, v in k8s.V1Toleration.attribute_map.items()}
+    unknown = sorted(set(raw) - names.keys())
+    if unknown:
+        raise ValueError(f"toleration {raw}: unknown field(s) {', '.join(unknown)}")
+    return k8s.V1Toleration(**{names[k]: v for k, v in raw.items()})
