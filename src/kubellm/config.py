@@ -481,11 +481,11 @@ class PipelineConfig(_Strict):
     serving_dtype: ServingDtype = Field(
         CHECKPOINT_DTYPE,
         description="dtype the Hugging Face runtime loads the weights in (its --dtype, both "
-        "backends): float32, the checkpoint's and what evaluate measures in, so the smoke "
-        "test's answers match evaluate's token for token; bfloat16 or float16 halve a GPU's "
-        "memory but may answer differently from the float32 evaluation the smoke test "
-        "compares with. Left to the runtime, vLLM would serve float32 weights in half "
-        "precision. `kubellm serve` (custom runtime, local) loads float32 only.",
+        "backends), and the dtype evaluate measures in, so the smoke test compares the server "
+        "with answers computed at the precision it serves: float32 (the checkpoint's), or "
+        "bfloat16/float16 to halve a GPU's memory. Left to the runtime, vLLM would serve "
+        "float32 weights in half precision. `kubellm serve` (custom runtime, local) loads "
+        "float32 only.",
     )
     serving_max_model_len: int = Field(
         0,

@@ -237,3 +237,16 @@ def test_max_tokens_limit_caps_what_a_request_asks_and_chats_default(
         served.max_tokens_limit = None
     assert not isinstance(capped, AsyncIterator) and capped.usage is not None
     assert capped.usage.completion_tokens == 5
+
+
+def test_the_fast_path_tokenizes_as_the_transformers_tokenizer(served: CausalLMModel) -> None:
+    """Prompts are encoded with the fast tokenizer's own `tokenizers.Tokenizer`, skipping the
+    transformers wrapper's per-call work: it must give the wrapper's ids, special tokens
+    spelled in the text included."""
+    assert served._backend is not None, "the tiny model's tokenizer is a fast one"
+    specials = [t for t in (served.tokenizer.eos_token, served.tokenizer.bos_token) if t]
+    prompts = ["12+7=", " leading space", "tabs\tand\nnewlines", "ünïcødé 漢字 🙂", "a" * 500]
+    prompts += [f"x{s}y" for s in specials]
+    for prompt in prompts:
+        want = served.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert served._encode(prompt, "prompt") == want, prompt

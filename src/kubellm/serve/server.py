@@ -45,6 +45,7 @@ from kserve.protocol.rest.v1_endpoints import register_v1_endpoints
 from kserve.protocol.rest.v2_endpoints import register_v2_endpoints
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kubellm.serve import protocol
@@ -190,9 +191,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-def openai_router(models: Mapping[str, CausalLMModel]) -> APIRouter:
-    """/openai/v1/completions, /chat/completions, /models, /models/{id} for `models`."""
-    router = APIRouter(prefix=OPENAI_PREFIX, tags=["OpenAI"])
+def openai_routes(models: Mapping[str, CausalLMModel]) -> list[Route]:
+    """/openai/v1/completions, /chat/completions, /models, /models/{id} for `models`.
+
+    Plain Starlette routes, not FastAPI's: each handler reads and checks its own body
+    (protocol.parse_request), so FastAPI's per-request dependency solving and response
+    validation would be work for nothing (docs/benchmarks-serve.md)."""
 
     async def call(
         request: Request,
@@ -230,30 +234,32 @@ def openai_router(models: Mapping[str, CausalLMModel]) -> APIRouter:
             return Response(result.model_dump_json(), media_type="application/json")
         return StreamingResponse(result, media_type="text/event-stream")
 
-    @router.post("/completions", response_model=None)
     async def completions(request: Request) -> Response:
         return await call(request, protocol.CompletionRequest, CausalLMModel.create_completion)
 
-    @router.post("/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
         return await call(
             request, protocol.ChatCompletionRequest, CausalLMModel.create_chat_completion
         )
 
-    @router.get("/models", response_model=None)
-    async def list_models() -> Response:
+    async def list_models(_: Request) -> Response:
         cards = [m.card() for m in models.values() if m.ready]
         body = protocol.ModelList(data=cards)
         return Response(body.model_dump_json(), media_type="application/json")
 
-    @router.get("/models/{model_id:path}", response_model=None)
-    async def retrieve_model(model_id: str) -> Response:
+    async def retrieve_model(request: Request) -> Response:
+        model_id = request.path_params["model_id"]
         model = models.get(model_id)
         if model is None:
             return openai_error(404, f"the model `{model_id}` does not exist", "model")
         return Response(model.card().model_dump_json(), media_type="application/json")
 
-    return router
+    return [
+        Route(f"{OPENAI_PREFIX}/completions", completions, methods=["POST"]),
+        Route(f"{OPENAI_PREFIX}/chat/completions", chat_completions, methods=["POST"]),
+        Route(f"{OPENAI_PREFIX}/models", list_models, methods=["GET"]),
+        Route(f"{OPENAI_PREFIX}/models/{{model_id:path}}", retrieve_model, methods=["GET"]),
+    ]
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -321,7 +327,7 @@ class _RESTServer(RESTServer):  # type: ignore[misc]
                 r for r in router.routes if "/repository/" not in getattr(r, "path", "")
             ]
             app.include_router(router)
-        app.include_router(openai_router(models))
+        app.router.routes[:0] = openai_routes(models)  # first: the routes most requests take
 
     def _add_exception_handlers(self, app: FastAPI) -> None:
         super()._add_exception_handlers(app)
