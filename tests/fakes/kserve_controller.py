@@ -690,6 +690,22 @@ def storage_uri(predictor: dict[str, Any]) -> str:
     return ""
 
 
+def model_transition(model: dict[str, Any], state: str, info: dict[str, Any] | None) -> None:
+    """inference_service_status.go UpdateModelTransitionStatus: the target state, the
+    transition it implies, the active state once Loaded, the last failure's info."""
+    states = model.setdefault("states", {"activeModelState": ""})
+    states["targetModelState"] = state
+    if state in ("Pending", "Loading"):
+        model["transitionStatus"] = "InProgress"
+    elif state == "Loaded":
+        model["transitionStatus"] = "UpToDate"
+        states["activeModelState"] = "Loaded"
+    elif state == "FailedToLoad":
+        model["transitionStatus"] = "BlockedByFailedLoad"
+    if info is not None:
+        model["lastFailureInfo"] = info
+
+
 class KServe(Controller):
     name = "kserve"
 
@@ -1130,17 +1146,7 @@ class KServe(Controller):
         model["copies"] = {**(model.get("copies") or {"failedCopies": 0}), "totalCopies": ready}
 
         def update(state: str, info: dict[str, Any] | None = None) -> None:
-            states = model.setdefault("states", {"activeModelState": ""})
-            states["targetModelState"] = state
-            if state == "Pending":
-                model["transitionStatus"] = "InProgress"
-            elif state == "Loaded":
-                model["transitionStatus"] = "UpToDate"
-                states["activeModelState"] = "Loaded"
-            elif state == "FailedToLoad":
-                model["transitionStatus"] = "BlockedByFailedLoad"
-            if info is not None:
-                model["lastFailureInfo"] = info
+            model_transition(model, state, info)
 
         if not live:
             update("Pending")
@@ -1648,17 +1654,7 @@ class KServe(Controller):
             copies.pop("totalCopies")
 
         def update(state: str, info: dict[str, Any] | None = None) -> None:
-            states = model.setdefault("states", {"activeModelState": ""})
-            states["targetModelState"] = state
-            if state in ("Pending", "Loading"):
-                model["transitionStatus"] = "InProgress"
-            elif state == "Loaded":
-                model["transitionStatus"] = "UpToDate"
-                states["activeModelState"] = "Loaded"
-            elif state == "FailedToLoad":
-                model["transitionStatus"] = "BlockedByFailedLoad"
-            if info is not None:
-                model["lastFailureInfo"] = info
+            model_transition(model, state, info)
 
         ready = find_condition(status, "Ready") or {}
         if not latest.pod:  # no pods: failed if a Knative condition is False (no new info)
