@@ -986,7 +986,11 @@ def test_katibs_webhook_wraps_the_primary_container_and_reads_the_metrics_file(
     assert container["command"][2] == f"python -c 'print(\"eval_loss={x}\")'"
     assert "shareProcessNamespace" not in worker["spec"]
     assert worker["metadata"]["labels"]["katib.kubeflow.org/trial"] == name
-    sim.wait_for(lambda: sim.fake.pod_log("default", f"{name}-worker-0"), 10, "worker log")
+    # the whole line: unbuffered, print writes the text and its newline separately, and the
+    # kubelet's pump may copy them one at a time (a busy machine showed the first alone)
+    sim.wait_for(
+        lambda: sim.fake.pod_log("default", f"{name}-worker-0").endswith("\n"), 10, "worker log"
+    )
     assert sim.fake.pod_log("default", f"{name}-worker-0") == f"eval_loss={x}\n"
 
 
