@@ -485,11 +485,7 @@ class BatchEngine:
         if not keep:
             return
         if len(keep) < len(rows):
-            index = torch.tensor(keep, device=self.device)
-            cache.batch_select_indices(index)
-            mask, next_pos, logits = mask[index], next_pos[index], logits[index]
-            rows = [rows[i] for i in keep]
-            self.metrics.running.set(len(rows))
+            rows, (mask, next_pos, logits) = self._drop(rows, keep, cache, mask, next_pos, logits)
         while True:
             tokens, step_logprobs = self._pick(logits, rows)
             picked = tokens.tolist()  # one device sync per step, not one per row
@@ -508,11 +504,9 @@ class BatchEngine:
             if not keep:
                 return
             if len(keep) < len(rows):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                mask, next_pos, tokens = mask[index], next_pos[index], tokens[index]
-                rows = [rows[i] for i in keep]
-                self.metrics.running.set(len(rows))
+                rows, (mask, next_pos, tokens) = self._drop(
+                    rows, keep, cache, mask, next_pos, tokens
+                )
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
             logits = self._forward(tokens[:, None], mask, next_pos, cache)
             next_pos = next_pos + 1
@@ -529,6 +523,21 @@ class BatchEngine:
         target = torch.tensor(ids[1:], device=logprobs.device)
         req.prompt_logprobs += logprobs.gather(1, target[:, None])[:, 0].tolist()
         req.prompt_top_logprobs += _top(logprobs, k)
+
+    def _drop(
+        self,
+        rows: list[GenerationRequest],
+        keep: list[int],
+        cache: Any,
+        *tensors: torch.Tensor,
+    ) -> tuple[list[GenerationRequest], tuple[torch.Tensor, ...]]:
+        """Keep only rows `keep` (finished ones leave the batch): in the cache and in each
+        per-row tensor."""
+        index = torch.tensor(keep, device=self.device)
+        cache.batch_select_indices(index)
+        kept = [rows[i] for i in keep]
+        self.metrics.running.set(len(kept))
+        return kept, tuple(t[index] for t in tensors)
 
     def _pick(
         self, logits: torch.Tensor, rows: list[GenerationRequest]

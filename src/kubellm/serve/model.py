@@ -531,21 +531,7 @@ class CausalLMModel(kserve.Model):  # type: ignore[misc]
     async def _collect(self, submitted: list[tuple[list[int], SamplingParams]]) -> list[Generation]:
         """The finished generations, in order; a late one is RequestTimedOut. Cancelled
         (their rows freed) if the caller goes away first."""
-        requests, events = self._engine.submit_async(submitted)
-        results: list[Generation | None] = [None] * len(requests)
-        try:
-            left = len(requests)
-            while left:
-                index, event = await events.get()
-                if isinstance(event, Failed):
-                    raise event.error
-                if isinstance(event, Generation):
-                    results[index] = event
-                    left -= 1
-        finally:
-            for req in requests:
-                req.cancel()
-        done = [r for r in results if r is not None]
+        done = await self._engine.generate(submitted)
         if any(r.finish_reason == "timeout" for r in done):
             raise RequestTimedOut(self._timeout_message())
         return done
