@@ -44,22 +44,28 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server(_server_process: tuple[Endpoint, int]) -> Endpoint:
+def server(_server_process: tuple[Endpoint, int, Path]) -> Endpoint:
     """The model server as users run it, shared by the test modules that speak HTTP to it
     (starting one takes seconds). Stopped at the end of the session, failures included."""
     return _server_process[0]
 
 
 @pytest.fixture(scope="session")
-def server_pid(_server_process: tuple[Endpoint, int]) -> int:
+def server_pid(_server_process: tuple[Endpoint, int, Path]) -> int:
     """The process id of `server` (the `kubellm serve` process itself)."""
     return _server_process[1]
 
 
 @pytest.fixture(scope="session")
+def server_log(_server_process: tuple[Endpoint, int, Path]) -> Path:
+    """The file `server`'s output (stdout and stderr) goes to."""
+    return _server_process[2]
+
+
+@pytest.fixture(scope="session")
 def _server_process(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Endpoint, int]]:
+) -> Iterator[tuple[Endpoint, int, Path]]:
     port = _free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     kubellm = str(Path(sys.executable).parent / "kubellm")  # this environment's entry point
@@ -84,7 +90,7 @@ def _server_process(
             if time.monotonic() > deadline:
                 pytest.fail(f"model server not ready after {READY_TIMEOUT_S:.0f}s")
             time.sleep(0.1)
-        yield endpoint, proc.pid
+        yield endpoint, proc.pid, log_path
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

@@ -348,6 +348,19 @@ class _RESTServer(RESTServer):  # type: ignore[misc]
         return app
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (kserve's and uvicorn's "auto"), else asyncio's.
+
+    kserve's ModelServer with one worker runs `asyncio.run` itself, so uvicorn never picks
+    the loop and kserve's `event_loop` option ("auto": uvloop if available) has no effect:
+    the server ran on asyncio's selector loop. uvloop's is the one uvicorn would choose."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
 class BoundModelServer(ModelServer):  # type: ignore[misc]
     """kserve.ModelServer with the REST host chosen by us, and no gRPC port."""
 
@@ -385,9 +398,17 @@ class BoundModelServer(ModelServer):  # type: ignore[misc]
     def start(self, models: list[CausalLMModel]) -> None:
         self._rest_server = self.rest_server(models)
         self.servers.append(self._rest_server.start())
-        self.setup_event_loop()
         self.register_signal_handler()
-        asyncio.run(self._serve())
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            # kserve's setup_event_loop configures asyncio.get_event_loop(), which is not
+            # the loop asyncio.run then makes: here it is the loop that serves
+            runner.run(self._setup_and_serve())
+
+    async def _setup_and_serve(self) -> None:
+        self.setup_event_loop()
+        loop = type(asyncio.get_running_loop())
+        log.info("event loop: %s.%s", loop.__module__, loop.__qualname__)
+        await self._serve()
 
 
 def _positive(kind: type, allow_zero: bool = False) -> Any:
