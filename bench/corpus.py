@@ -46,7 +46,8 @@ from pathlib import Path
 
 GENERATOR_VERSION = 1  # the clean corpus
 MESSY_VERSION = 1
-KINDS = ("clean", "messy")
+SHORT_VERSION = 1
+KINDS = ("clean", "messy", "short")
 MIB = 1 << 20
 
 # The head of the distribution: real English function and common words, most frequent first.
@@ -717,6 +718,110 @@ def generate_messy(path: Path, kept_path: Path, size_bytes: int, seed: int = 0) 
     return Corpus(path, kept_path, written, records, kept, dups, bad, "messy", dropped)
 
 
+# --- the short-record corpus ---------------------------------------------------------------
+
+# Instruction and chat data: the shapes of the prompts (an instruction, a question, a task on
+# a quoted sentence) and of the transcripts. {t}, {u}: topics (a few Zipf-weighted words).
+_ASKS = [
+    "Explain {t} in simple terms.",
+    "What is the difference between {t} and {u}?",
+    "Write a short note about {t}.",
+    "Give three examples of {t}.",
+    "How does {t} work?",
+    "Why is {t} important for {u}?",
+    "Describe {t} to someone who has never seen it.",
+    "Can you list the main steps of {t}?",
+    "What should I know about {t} before I start?",
+    "Compare {t} with {u} in two sentences.",
+    "Summarize the following text: {s}",
+    "Rewrite this sentence so that it is clearer: {s}",
+    "Is this statement true? {s}",
+    "Translate into plain English: {s}",
+]
+_FUNCTION_WORDS = frozenset(_COMMON[:60])  # not topics on their own
+_OPENERS = ["", "", "", "Sure. ", "Certainly! ", "Here is a short answer. ", "In short: "]
+
+
+class _ShortGen:
+    """Instruction/response records of a few hundred characters (median about 280)."""
+
+    def __init__(self, seed: int) -> None:
+        self.prose = _DocGen(seed)
+        self.rng = self.prose.rng
+
+    def _topic(self) -> str:
+        n = self.rng.choice((1, 2, 2, 3))
+        words = self.rng.choices(self.prose.words, cum_weights=self.prose.cum, k=3 * n)
+        return " ".join(([w for w in words if w not in _FUNCTION_WORDS] or words)[:n])
+
+    def prompt(self) -> str:
+        rng = self.rng
+        ask = rng.choice(_ASKS).format(t=self._topic(), u=self._topic(), s=self.prose.sentence())
+        if rng.random() < 0.2:  # some context before the question
+            ask = self.prose.sentence() + " " + ask
+        return ask
+
+    def response(self) -> str:
+        rng, prose = self.rng, self.prose
+        if rng.random() < 0.15:  # a short list
+            items = [f"{i}. {prose.sentence()}" for i in range(1, rng.randint(2, 4) + 1)]
+            return rng.choice(_OPENERS) + "\n".join(items)
+        n = int(1 + 4 * rng.random() ** 1.6)
+        return rng.choice(_OPENERS) + " ".join(prose.sentence() for _ in range(n))
+
+    def record(self) -> tuple[str, str, str]:
+        """(prompt, response, text): the text as a plain-text fine-tune sees it."""
+        prompt, response = self.prompt(), self.response()
+        if self.rng.random() < 0.3:  # a chat transcript
+            text = f"User: {prompt}\nAssistant: {response}"
+        else:
+            text = f"{prompt}\n\n{response}"
+        return prompt, response, text
+
+
+def generate_short(
+    path: Path, kept_path: Path, size_bytes: int, seed: int = 0, dup_rate: float = 0.03
+) -> Corpus:
+    """Write about `size_bytes` of instruction-like JSONL to `path`, streaming.
+
+    Each record has `text` (what prepare reads, already normalized) and the `prompt` and
+    `response` it was made of (as instruction datasets carry them; prepare's default reads
+    only `text`). Exact duplicates and bad lines as in the clean corpus.
+    """
+    gen = _ShortGen(seed)
+    side = random.Random(seed * 104_729 + 17)
+    recent: list[tuple[str, str, str]] = []
+    dropped: dict[str, int] = {}
+    written = records = kept = dups = bad = 0
+    with open(path, "wb") as out, open(kept_path, "wb") as kept_out:
+        while written < size_bytes:
+            r = side.random()
+            if r < 0.0025:
+                kind = side.randrange(5)
+                line = _bad_line_of(kind, side, records, gen.record()[2])
+                dropped[_BAD_REASONS[kind]] = dropped.get(_BAD_REASONS[kind], 0) + 1
+                bad += 1
+            else:
+                if r < 0.0025 + dup_rate and recent:
+                    prompt, response, text = side.choice(recent)
+                    dropped["duplicate"] = dropped.get("duplicate", 0) + 1
+                    dups += 1
+                else:
+                    prompt, response, text = gen.record()
+                    kept_out.write(json.dumps({"text": text}, ensure_ascii=False).encode() + b"\n")
+                    kept += 1
+                    if len(recent) < 512:
+                        recent.append((prompt, response, text))
+                    else:
+                        recent[side.randrange(512)] = (prompt, response, text)
+                obj = {"id": records, "prompt": prompt, "response": response, "text": text}
+                line = json.dumps(obj, ensure_ascii=False).encode() + b"\n"
+            out.write(line)
+            written += len(line)
+            records += 1
+    return Corpus(path, kept_path, written, records, kept, dups, bad, "short", dropped)
+
+
 def ensure_corpus(
     cache_dir: str | Path, size_mb: float, seed: int = 0, kind: str = "clean"
 ) -> Corpus:
@@ -728,7 +833,8 @@ def ensure_corpus(
     if kind == "clean":
         stem = f"corpus-{size_mb:g}mib-seed{seed}-v{GENERATOR_VERSION}"
     else:
-        stem = f"corpus-{kind}-{size_mb:g}mib-seed{seed}-v{MESSY_VERSION}"
+        version = MESSY_VERSION if kind == "messy" else SHORT_VERSION
+        stem = f"corpus-{kind}-{size_mb:g}mib-seed{seed}-v{version}"
     path, kept_path = cache / f"{stem}.jsonl", cache / f"{stem}.kept.jsonl"
     meta_path = cache / f"{stem}.json"
     if path.is_file() and kept_path.is_file() and meta_path.is_file():
@@ -736,7 +842,7 @@ def ensure_corpus(
         if meta.get("size_bytes") == path.stat().st_size:
             return Corpus(path, kept_path, **meta)
     tmp, kept_tmp = path.with_suffix(".tmp"), kept_path.with_suffix(".tmp")
-    make = generate if kind == "clean" else generate_messy
+    make = {"clean": generate, "messy": generate_messy, "short": generate_short}[kind]
     c = make(tmp, kept_tmp, int(size_mb * MIB), seed)
     os.replace(kept_tmp, kept_path)
     os.replace(tmp, path)

@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kubellm.backends.base import JobFailed
 from kubellm.config import (
     ConfigError,
     PipelineConfig,
@@ -36,7 +35,6 @@ from kubellm.config import (
     validate,
 )
 from kubellm.data.records import DataError
-from kubellm.tracking import TrackingUnavailable
 
 DEFAULT_PIPELINE = "pipelines/llm_train.yaml"
 
@@ -297,13 +295,31 @@ def main(argv: list[str] | None = None) -> int:
             if args.local:
                 overrides["platform"] = "local"
             return promote_cli(args.model, args.tracking_uri, overrides, args.force)
-    except (ConfigError, DataError, TrackingUnavailable) as err:
+    except Exception as err:
+        code = _error_code(err)
+        if code is None:
+            raise
         print(f"kubellm: error: {err}", file=sys.stderr)
-        return 2
-    except JobFailed as err:  # the job's own output is in its log file
-        print(f"kubellm: error: {err}", file=sys.stderr)
-        return 2 if err.exit_code == 2 else 1
+        return code
     return 2
+
+
+def _error_code(err: BaseException) -> int | None:
+    """The exit code of an error reported in one line, or None for any other exception.
+
+    TrackingUnavailable and JobFailed are looked up only in modules already imported: an
+    error cannot be one of their classes otherwise, and importing them would pull MLflow
+    and the backends into every command (about 2 s of `kubellm prepare`'s start-up).
+    """
+    if isinstance(err, ConfigError | DataError):
+        return 2
+    tracking = sys.modules.get("kubellm.tracking")
+    if tracking is not None and isinstance(err, tracking.TrackingUnavailable):
+        return 2
+    base = sys.modules.get("kubellm.backends.base")
+    if base is not None and isinstance(err, base.JobFailed):  # its output is in its log file
+        return 2 if err.exit_code == 2 else 1
+    return None
 
 
 if __name__ == "__main__":

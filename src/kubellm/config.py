@@ -37,6 +37,7 @@ Strategy = Literal["ddp", "fsdp", "hsdp"]
 Precision = Literal["auto", "fp32", "bf16"]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "hf"]
 Template = Literal["none", "prompt_response", "messages"]
+ChatLoss = Literal["all_assistant", "last_assistant"]
 Packing = Literal["concat", "best_fit"]
 OnError = Literal["skip", "fail"]
 TextMode = Literal["file", "line"]
@@ -52,8 +53,11 @@ ServingDtype = Literal["float32", "bfloat16", "float16"]
 # (from_pretrained's default, `auto`, reads config.json), float32, since training keeps float32
 # weights (bf16 is autocast only) and exports them as they are.
 CHECKPOINT_DTYPE: ServingDtype = "float32"
-GateMetric = Literal["auto", "exact_match", "eval_loss", "perplexity"]
-GATE_METRICS = ("exact_match", "eval_loss", "perplexity")
+GateMetric = Literal["auto", "exact_match", "eval_loss", "perplexity", "bits_per_byte"]
+GATE_METRICS = ("exact_match", "eval_loss", "perplexity", "bits_per_byte")
+# gate_guards' default: held-out bits per byte at most 5 % worse than the champion's (why 5 %:
+# kubellm.evaluate.gate's docstring)
+DEFAULT_GATE_GUARDS = {"bits_per_byte": 0.05}
 # what gate_guards may bound: the gate metrics and the generation speed evaluate measures
 GUARD_METRICS = (*GATE_METRICS, "gen_latency_ms", "gen_tokens_per_sec")
 
@@ -339,7 +343,15 @@ class PipelineConfig(_Strict):
     )
     text_field: str = Field("text", min_length=1, description="Field holding the text.")
     template: Template = Field(
-        "none", description="Render prompt/response or chat messages fields into training text."
+        "none",
+        description="Render prompt/response or chat messages fields into training text with "
+        "the tokenizer's chat template (kubellm's default one, saved with the tokenizer, when it "
+        "has none); none: text (or prompt/completion) fields as they are.",
+    )
+    chat_loss: ChatLoss = Field(
+        "all_assistant",
+        description="Chat records (template=messages): the loss on every assistant turn "
+        "(all_assistant) or on the last one only (last_assistant).",
     )
     tokenizer: str = Field(
         "", description="Tokenizer directory or hub name; empty trains a byte-level BPE."
@@ -391,8 +403,9 @@ class PipelineConfig(_Strict):
     )
     force: bool = Field(
         False,
-        description="Train even when the data is unchanged since the champion's (same data "
-        "fingerprint); false: such a run stops after record_data.",
+        description="Train even when the data and training recipe are the champion's (same "
+        "data and recipe fingerprints) or were already rejected by the gate; false: such a "
+        "run stops after record_data.",
     )
     pipeline_version: str = Field(
         "",
@@ -408,15 +421,24 @@ class PipelineConfig(_Strict):
     )
     gate_metric: GateMetric = Field(
         "auto",
-        description="What the gate compares: exact_match (higher is better), eval_loss or "
-        "perplexity (lower is better); auto: exact_match when the data has prompt/answer "
-        "examples, else perplexity.",
+        description="What the gate compares: exact_match (higher is better), eval_loss, "
+        "perplexity or bits_per_byte (lower is better; bits_per_byte is the held-out text's "
+        "loss per UTF-8 byte, comparable across tokenizers); auto: exact_match when the data "
+        "has prompt/answer examples, else perplexity. When the champion's tokenizer is not "
+        "the candidate's, eval_loss and perplexity are compared on bits_per_byte instead.",
     )
     gate_margin: float = Field(
         0.0,
         ge=0,
         description="How much the candidate must beat the champion by on gate_metric (in its "
-        "units), both measured on the candidate's evaluation data.",
+        "units), both measured on the candidate's evaluation data; 0: strictly better (a tie "
+        "keeps the champion).",
+    )
+    gate_allow_incomparable: bool = Field(
+        False,
+        description="When the champion cannot be measured on the gate metric on this run's "
+        "data, let the absolute bar decide; false: the candidate is rejected and the "
+        "champion stays, with the reason.",
     )
     gate_max_perplexity: float = Field(
         1000.0,
@@ -425,10 +447,12 @@ class PipelineConfig(_Strict):
         "stay under to ship.",
     )
     gate_guards: dict[str, float] = Field(
-        default_factory=dict,
+        default_factory=lambda: dict(DEFAULT_GATE_GUARDS),
         description="Guard metrics and how much worse than the champion each may get, "
-        'relative: {"eval_loss": 0.05} (5 %). Keys: exact_match, eval_loss, perplexity, '
-        "gen_latency_ms, gen_tokens_per_sec.",
+        'relative: the default {"bits_per_byte": 0.05} (5 %) keeps an exact_match gate from '
+        "promoting a model whose held-out loss got markedly worse for an answer or two more "
+        "right; setting it replaces the default, {}: no guards. Keys: exact_match, eval_loss, "
+        "perplexity, bits_per_byte, gen_latency_ms, gen_tokens_per_sec.",
     )
     model_name: str = Field(
         "kubellm-tiny",

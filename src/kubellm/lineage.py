@@ -16,7 +16,14 @@ from mlflow.tracking import MlflowClient
 
 from kubellm.config import ConfigError
 from kubellm.registry import get_version
-from kubellm.tracking import CHAMPION, TAG_FINGERPRINT, TAG_KFP_RUN, TAG_STAGE, Tracker
+from kubellm.tracking import (
+    CHAMPION,
+    TAG_FINGERPRINT,
+    TAG_KFP_RUN,
+    TAG_RECIPE_FINGERPRINT,
+    TAG_STAGE,
+    Tracker,
+)
 
 
 def resolve(client: MlflowClient, ref: str) -> Any:
@@ -78,6 +85,12 @@ def lineage(client: MlflowClient, ref: str) -> dict[str, Any]:
         },
         "data": {
             "fingerprint": tags.get(TAG_FINGERPRINT, ""),
+            "recipe_fingerprint": tags.get(TAG_RECIPE_FINGERPRINT, ""),
+            "recipe": {
+                k.removeprefix("recipe."): v
+                for k, v in prepared.get("params", {}).items()
+                if k.startswith("recipe.")
+            },
             "prepare_run": prepared.get("run_id", ""),
             "source_fingerprint": prepared.get("tags", {}).get("kubellm.source_fingerprint", ""),
             "records_read": prepared.get("metrics", {}).get("records_read"),
@@ -137,6 +150,10 @@ def format_text(chain: dict[str, Any]) -> str:
         f"  data        fingerprint {_v(d['fingerprint'])[:16]} (prepare_data run "
         f"{_v(d['prepare_run'])}): {_v(d['records_kept'])}/{_v(d['records_read'])} records "
         f"kept, {_v(d['tokens_train'])} train tokens",
+        f"  recipe      fingerprint {_v(d['recipe_fingerprint'])[:16]}: train_steps "
+        f"{_v(d['recipe'].get('train_steps'))}, learning_rate "
+        f"{_v(d['recipe'].get('learning_rate'))}, base_model "
+        f"{_v(d['recipe'].get('base_model'))}, kubellm {_v(d['recipe'].get('kubellm_version'))}",
         f"  tuning      best trial {_v(t['best_trial'])} (lr {_v(t['best_learning_rate'])}, "
         f"eval_loss {_v(t['best_eval_loss'])}), run {_v(t['run'])}",
         f"  training    run {_v(tr['run'])}: train_loss {_v(tr['train_loss'])}",

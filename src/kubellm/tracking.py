@@ -23,6 +23,13 @@ TAG_STAGE = "kubellm.stage"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_NAME = "mlflow.runName"
 TAG_FINGERPRINT = "kubellm.data_fingerprint"
+# The training recipe (kubellm.recipe): on the prepare_data stage run and model versions.
+TAG_RECIPE_FINGERPRINT = "kubellm.recipe_fingerprint"
+# The gate's settings and the champion a candidate is judged against (kubellm.recipe).
+TAG_GATE_FINGERPRINT = "kubellm.gate_fingerprint"
+# The evaluate stage run's gate decision ("promote" or "reject") and its reason.
+TAG_GATE = "kubellm.gate"
+TAG_GATE_REASON = "kubellm.gate_reason"
 # Registry aliases: a new version is the challenger until the smoke test makes it champion.
 CHALLENGER = "challenger"
 CHAMPION = "champion"

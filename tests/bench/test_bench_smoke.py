@@ -1,5 +1,5 @@
-"""The prepare_data benchmark harness runs end to end at a tiny size and reports three ratios
-for each corpus (clean and messy).
+"""The prepare_data benchmark harness runs end to end at a tiny size and reports its ratios
+for each corpus (clean, messy and the short-record one of issue 21).
 
 Only that the figures exist and are finite: whether they meet the targets is what
 `make bench` (at full size) reports, not what this test checks.
@@ -14,9 +14,11 @@ from quick_runs import BenchRuns
 
 METRICS = (
     "throughput vs tokenizer floor",
+    "whole `kubellm prepare` process vs tokenizer floor",
     "throughput vs `datasets.map` + packing",
     "peak RSS",
 )
+NO_MEMORY = ("short",)  # corpora whose peak memory is not measured (the last metric)
 
 
 def _results_tables(markdown: str) -> list[dict[str, list[str]]]:
@@ -49,15 +51,17 @@ def test_quick_bench_reports_three_finite_ratios_per_corpus(bench_runs: BenchRun
 
     text = out.read_text()
     tables = _results_tables(text)
-    assert len(tables) == 2  # the clean and the messy corpus
-    for rows in tables:
-        assert len(rows) == 3
-        for metric in METRICS:
+    assert len(tables) == 3  # the clean, messy and short corpora, in that order
+    for kind, rows in zip(("clean", "messy", "short"), tables, strict=True):
+        metrics = METRICS[:-1] if kind in NO_MEMORY else METRICS
+        assert len(rows) == len(metrics), (kind, list(rows))
+        for metric in metrics:
             (row,) = [cells for name, cells in rows.items() if name.startswith(metric)]
             ratio = float(row[3])
             assert math.isfinite(ratio) and ratio > 0, row
             assert row[5] in ("pass", "FAIL", "—"), row  # —: a ratio without a target
     assert "## The clean corpus" in text and "## The messy corpus" in text
+    assert "## The short corpus" in text and "The start-up probe" in text
     assert "gives `encode_batch`'s ids, document by document: yes" in text
     assert "| metric |" in proc.stdout  # the tables are printed too
     assert "python -m bench.prepare_bench --quick" in text  # the command to rerun

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kubellm.data.packing import BestFitPacker, ConcatPacker, make_packer
+from kubellm.data.packing import BestFitPacker, ConcatPacker, is_masked, make_packer
 
 EOS, PAD = 0, 1
 
@@ -71,3 +71,22 @@ def test_best_fit_is_deterministic() -> None:
 def test_unknown_strategy_is_named() -> None:
     with pytest.raises(ValueError, match="packing='greedy'"):
         make_packer("greedy", 8, EOS, PAD)
+
+
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_a_per_token_mask_trains_several_spans_and_the_eos(strategy: str) -> None:
+    """A chat with two trained assistant turns: its mask is per token (prepare's `_docs`),
+    and both packers write it as given, with the EOS after the document trained."""
+    chat = ([5, 6, 7, 8, 9, 10], np.array([0, 1, 1, 0, 0, 1], dtype=np.int8))
+    plain = ([11, 12], 1)  # n_prompt form, beside it
+    seq_len = 10 if strategy == "concat" else 11  # best_fit pads the one free slot
+    packer = make_packer(strategy, seq_len, EOS, PAD)
+    rows = packer.add([chat, plain])
+    if strategy == "best_fit":
+        rows = packer.finish()
+    ids = [5, 6, 7, 8, 9, 10, EOS, 11, 12, EOS, PAD]
+    mask = [0, 1, 1, 0, 0, 1, 1, 0, 1, 1, 0]
+    assert rows.ids.tolist() == [ids[:seq_len]]
+    assert rows.mask.tolist() == [mask[:seq_len]]
+    assert is_masked(chat[1]) and is_masked(1) and not is_masked(0)
+    assert not is_masked(np.ones(3, dtype=np.int8))

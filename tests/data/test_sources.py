@@ -92,7 +92,7 @@ class FormatCase:
 
 
 MSGS = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
-CHAT = "<|user|>\nhi\n<|assistant|>\nyo\n"
+CHAT = "<|user|>\nhi\n<|assistant|>\nyo"  # the default chat format; prepare appends EOS
 
 FORMAT_CASES = [
     FormatCase(
@@ -183,7 +183,7 @@ FORMAT_CASES = [
         "prompt_response template with custom fields",
         "a.jsonl",
         jsonl({"instruction": "Add 1 and 1.", "output": "2"}),
-        ["### Instruction:\nAdd 1 and 1.\n\n### Response:\n2"],
+        ["<|user|>\nAdd 1 and 1.\n<|assistant|>\n2"],
         ["a.jsonl:1"],
         SourceOptions(
             template="prompt_response", prompt_field="instruction", response_field="output"
@@ -223,7 +223,8 @@ def test_format(tmp_path: Path, case: FormatCase) -> None:
 def test_prompt_response_split_is_exact(tmp_path: Path) -> None:
     put(tmp_path / "a.jsonl", jsonl({"prompt": "q", "response": "a"}))
     (rec,), _ = drain(str(tmp_path / "a.jsonl"), SourceOptions(template="prompt_response"))
-    assert (rec.prompt, rec.completion) == ("### Instruction:\nq\n\n### Response:\n", "a")
+    assert (rec.prompt, rec.completion) == ("<|user|>\nq\n<|assistant|>\n", "a")
+    assert rec.segments == ((rec.prompt, False), ("a", True))
 
 
 def test_prompt_completion_fields_kept_without_template(tmp_path: Path) -> None:

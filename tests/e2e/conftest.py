@@ -56,6 +56,21 @@ STAGES = {
 # where a real decision lies, not only at 0 and 1.
 HALF_LEARNABLE_STEPS = 120
 REJECT_ABOVE = 0.9
+# The chat fine-tune's run: records in Llama 3's chat format, LoRA on the tiny base model, no
+# tuning, a few steps (what is checked is the format, not what the model learns), whole
+# documents per row (best_fit) so each record's training text can be read back, and no
+# accuracy bar (a few LoRA steps on random weights answer nothing right).
+CHAT_RECORDS = 240
+CHAT_RUN: dict[str, Any] = {
+    "template": "messages",
+    "lora_r": 8,
+    "tune_trials": 0,
+    "train_steps": 8,
+    "nproc_per_node": 1,  # one trainer process starts sooner than two
+    "seq_len": 128,
+    "packing": "best_fit",
+    "gate_min_accuracy": 0.0,
+}
 
 
 @pytest.fixture(scope="session")
@@ -177,7 +192,7 @@ class Batch(BackgroundRuns):
     run's result and waits for it; the servers and simulated clusters the runs used stay up
     until the session ends."""
 
-    ORDER = ("cluster", "local", "stop", "reject", "failing")  # the longest first
+    ORDER = ("cluster", "local", "stop", "reject", "chat", "failing")  # the longest first
 
     def __init__(self, half_learnable: Path, tmp: pytest.TempPathFactory, parallel: int):
         super().__init__(parallel, "e2e-run")
@@ -222,6 +237,25 @@ class Batch(BackgroundRuns):
             tune_trials=0,
             train_steps=HALF_LEARNABLE_STEPS,
             gate_min_accuracy=REJECT_ABOVE,  # above what this model reaches (near 0.5 at most)
+        )
+        return LocalRun(tmp, proc)
+
+    def _chat(self) -> LocalRun:
+        """A LoRA fine-tune of a tiny Llama-3-style chat model (tests/fixtures/llama_chat.py)
+        on chat records, as small as the whole pipeline allows: checked by
+        test_chat_finetune.py (training text and served answers in the model's own format)."""
+        from fixtures.llama_chat import build_model, chat_records
+
+        tmp = self._tmp.mktemp("chat-run")
+        base = build_model(tmp / "base-model")
+        data = tmp / "chats.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in chat_records(CHAT_RECORDS)))
+        proc = _run(
+            tmp,
+            REPO / "pipelines" / "llm_train.yaml",
+            **CHAT_RUN,
+            data_source=data,
+            base_model=base,
         )
         return LocalRun(tmp, proc)
 

@@ -66,7 +66,8 @@ def test_the_champion_is_measured_on_the_candidates_data_and_must_be_beaten(
 ) -> None:
     """The registered version (the same weights as the candidate) as champion: loaded from
     the registry and evaluated by the same code on the same data, it scores exactly what the
-    candidate does, so a margin rejects the candidate and no margin lets a tie through."""
+    candidate does: a same-settings retrain. A margin rejects it, and so does no margin: a
+    tie is not an improvement, the champion stays (was: promoted at "improvement +0")."""
     from kubellm.tracking import CHAMPION
 
     client, name = ctx.tracker.client, ctx.cfg.model_name
@@ -87,12 +88,14 @@ def test_the_champion_is_measured_on_the_candidates_data_and_must_be_beaten(
     finally:
         client.delete_registered_model_alias(name, CHAMPION)
     strict, tie = results[0.05], results[0.0]
-    for key in ("exact_match", "eval_loss", "perplexity"):
+    for key in ("exact_match", "eval_loss", "perplexity", "bits_per_byte"):
         assert strict.metrics[f"champion_{key}"] == strict.metrics[key], key
     assert strict.decision == evaluate.REJECT
     assert f"vs champion v{version}" in strict.reason
     assert "improvement +0 < gate_margin 0.05" in strict.reason
-    assert tie.decision == evaluate.PROMOTE, tie.reason
+    assert tie.decision == evaluate.REJECT, tie.reason
+    assert "improvement +0 <= 0 (a tie keeps the champion)" in tie.reason
+    assert "guard bits_per_byte" in tie.reason  # the default guard (gate_guards' default)
     tags = sides[0.0].stage_runs()["evaluate"].data.tags
     assert tags["kubellm.champion"] == f"champion v{version}"
     # the report compares both and shows both models' generations, kept on the run

@@ -20,6 +20,9 @@ def test_the_chain_from_data_to_deployment(chain: Chain, ctx: StageContext) -> N
     assert got["model"]["version"] == version
     assert got["data"]["fingerprint"] == chain.results["prepare_data"].data_fingerprint
     assert got["data"]["records_read"] == 600
+    assert got["data"]["recipe_fingerprint"] == chain.results["prepare_data"].recipe_fingerprint
+    recipe = got["data"]["recipe"]
+    assert recipe["train_steps"] == str(ctx.cfg.train_steps) and recipe["kubellm_version"]
     assert got["tuning"]["best_trial"]  # the tune stage's best trial, by name
     train_run = client.get_model_version(name, version).tags["kubellm.training_run"]
     assert got["training"]["run"] == train_run
@@ -43,9 +46,12 @@ def test_the_cli_prints_it_and_names_a_missing_version(
     assert main(["lineage", f"{name}@{version}", "--tracking-uri", uri]) == 0
     text = capsys.readouterr().out
     assert text.startswith(f"{name} v{version}")
-    for line in ("data", "tuning", "training", "evaluation", "gate", "deployment", "pipeline"):
+    lines = ("data", "recipe", "tuning", "training", "evaluation", "gate", "deployment")
+    for line in (*lines, "pipeline"):
         assert f"\n  {line} " in text, text
     assert main(["lineage", f"{name}@999", "--tracking-uri", uri]) == 2
     assert f"no model version '{name}@999'" in capsys.readouterr().err
+    recipe = chain.results["prepare_data"].recipe_fingerprint
+    assert f"\n  recipe      fingerprint {recipe[:16]}: train_steps {ctx.cfg.train_steps}," in text
     with pytest.raises(ConfigError, match="no model version 'nobody'"):
         lineage(ctx.tracker.client, "nobody")  # no such model, so no champion either

@@ -107,27 +107,67 @@ def test_data_unchanged_since_the_champion_stops_the_run_unless_forced(
     chain: Chain, ctx: StageContext
 ) -> None:
     """The same parameters and sources give the same data fingerprint; when the champion was
-    trained on it, prepare_data says "unchanged" (the DAG stops) unless force=true; other
-    preparation parameters make other data."""
+    trained on it with the same recipe, record_data says "unchanged" (the DAG stops) unless
+    force=true; other preparation parameters make other data, another recipe (train_steps)
+    on the same data retrains."""
     from kubellm.stages.record_data import CHANGED, TAG_UNCHANGED, UNCHANGED
-    from kubellm.tracking import CHAMPION, TAG_FINGERPRINT
+    from kubellm.tracking import CHAMPION, TAG_FINGERPRINT, TAG_RECIPE_FINGERPRINT
 
     client, name = ctx.tracker.client, ctx.cfg.model_name
     version = chain.results["register"].version
     first = chain.results["prepare_data"]
-    assert client.get_model_version(name, version).tags[TAG_FINGERPRINT] == first.data_fingerprint
+    tags = client.get_model_version(name, version).tags
+    assert tags[TAG_FINGERPRINT] == first.data_fingerprint
+    assert tags[TAG_RECIPE_FINGERPRINT] == first.recipe_fingerprint
     client.set_registered_model_alias(name, CHAMPION, version)
     try:
         same_ctx = side_context(ctx, "unchanged")
         same = prepare(same_ctx, chain.root / "again")
         forced = prepare(side_context(ctx, "forced", force=True), chain.root / "forced")
         other = prepare(side_context(ctx, "other", seq_len=24), chain.root / "other")
+        steps = ctx.cfg.train_steps
+        longer = prepare(side_context(ctx, "longer", train_steps=steps + 1), chain.root / "longer")
     finally:
         client.delete_registered_model_alias(name, CHAMPION)
     assert same.data_fingerprint == first.data_fingerprint
+    assert same.recipe_fingerprint == first.recipe_fingerprint
     assert same.data_state == UNCHANGED
-    assert f"data unchanged since champion v{version}: training skipped" in same.headline
+    since = f"data and recipe unchanged since champion v{version} (data fingerprint "
+    assert since in same.headline and "training skipped" in same.headline
     assert forced.data_state == CHANGED and "force=true: retraining" in forced.headline
     assert other.data_state == CHANGED and other.data_fingerprint != first.data_fingerprint
+    assert longer.data_state == CHANGED and longer.data_fingerprint == first.data_fingerprint
+    changed = f"the recipe changed (train_steps {steps} -> {steps + 1})"
+    assert f"data unchanged since champion v{version} but {changed}" in longer.headline
     parent = client.get_run(same_ctx.parent_run_id)
-    assert "data unchanged since champion" in parent.data.tags[TAG_UNCHANGED]
+    assert since in parent.data.tags[TAG_UNCHANGED]
+
+
+def test_a_data_and_recipe_the_gate_rejected_stops_the_next_run_unless_forced(
+    chain: Chain, ctx: StageContext
+) -> None:
+    """The real evaluate stage rejects a run (gate_min_accuracy 1.0, which the tiny model
+    does not reach); the next run of the same data, recipe and gate stops naming that run
+    and the gate's reason; force=true retrains. (train_steps 29: a recipe of its own, so no
+    champion of the chain's data and recipe decides first.)"""
+    from kubellm.stages import evaluate
+    from kubellm.stages.record_data import CHANGED, UNCHANGED
+
+    changes = {"gate_min_accuracy": 1.0, "train_steps": 29}
+    rejected_ctx = side_context(ctx, "rejected", **changes)
+    assert prepare(rejected_ctx, chain.root / "rejected").data_state == CHANGED
+    judged = evaluate.run(
+        rejected_ctx,
+        chain.artifact("model"),
+        chain.artifact("dataset"),
+        str(chain.root / "rejected-predictions.json"),
+    )
+    assert judged.decision == "reject"
+    reason = rejected_ctx.stage_runs()["evaluate"].data.tags["kubellm.gate_reason"]
+    again = prepare(side_context(ctx, "rejected-again", **changes), chain.root / "again-r")
+    assert again.data_state == UNCHANGED
+    said = f"data and recipe already rejected in run rejected (gate: {reason[:300]}): "
+    assert said + "training skipped (force=true retrains)" in again.headline
+    forced_ctx = side_context(ctx, "rejected-forced", force=True, **changes)
+    forced = prepare(forced_ctx, chain.root / "forced-r")
+    assert forced.data_state == CHANGED and "force=true: retraining" in forced.headline

@@ -28,6 +28,9 @@ def test_version_with_lineage(chain: Chain, ctx: StageContext) -> None:
     assert str(mv.version) == result.version
     runs = ctx.stage_runs()
     assert mv.tags["kubellm.data_fingerprint"] == chain.results["prepare_data"].data_fingerprint
+    recipe = chain.results["prepare_data"].recipe_fingerprint
+    assert mv.tags["kubellm.recipe_fingerprint"] == recipe and len(recipe) == 64
+    assert runs["prepare_data"].data.tags["kubellm.recipe_fingerprint"] == recipe
     assert mv.tags["kubellm.gate"] == "promote" and mv.tags["kubellm.gate_reason"]
     assert mv.tags["kubellm.training_run"] == runs["train"].info.run_id
     assert mv.tags["kubellm.best_trial"] == chain.results["tune"].best_trial

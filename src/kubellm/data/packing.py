@@ -9,7 +9,9 @@ Two strategies, both streaming (bounded buffers) and both reporting what they co
   rows are padded (loss mask 0). A document longer than seq_len is split into seq_len
   pieces, so nothing is cropped.
 
-A document is (ids, n_prompt): its first n_prompt tokens are not training targets.
+A document is (ids, n_prompt): its first n_prompt tokens are not training targets; or
+(ids, mask), a per-token int8 mask (1 = target) when several spans are trained (a chat's
+assistant turns). The EOS each document is followed by is always a target.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Doc = tuple[list[int], int]
+Doc = tuple[list[int], "int | np.ndarray"]
+
+
+def is_masked(mask: int | np.ndarray) -> bool:
+    """Whether a document's mask (n_prompt or per-token) leaves any of its tokens out."""
+    return bool(mask) if isinstance(mask, int) else not bool(mask.all())
 
 
 @dataclass
@@ -58,8 +65,11 @@ def _flatten(docs: list[Doc], eos: int) -> tuple[np.ndarray, np.ndarray]:
         n = len(ids)
         ids_out[pos : pos + n] = ids
         ids_out[pos + n] = eos
-        if n_prompt:
-            mask_out[pos : pos + n_prompt] = 0
+        if isinstance(n_prompt, int):
+            if n_prompt:
+                mask_out[pos : pos + n_prompt] = 0
+        else:
+            mask_out[pos : pos + n] = n_prompt
         pos += n + 1
     return ids_out, mask_out
 
@@ -107,7 +117,10 @@ class BestFitPacker:
         for ids, n_prompt in docs:
             seq = np.asarray([*ids, self.eos], dtype=np.int32)
             mask = np.ones(len(seq), dtype=np.int8)
-            mask[:n_prompt] = 0
+            if isinstance(n_prompt, int):
+                mask[:n_prompt] = 0
+            else:
+                mask[: len(ids)] = n_prompt
             self.stats.tokens += len(seq)
             for start in range(0, len(seq), self.seq_len):  # long documents: seq_len pieces
                 self._pending.append(

@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kubellm.config import DataFormat, OnError, Packing, Template, TextMode
+from kubellm.config import ChatLoss, DataFormat, OnError, Packing, Template, TextMode
 from kubellm.data.artifact import MANIFEST, data_fingerprint
 from kubellm.data.minhash import NearDuplicates
 from kubellm.data.packing import (
@@ -50,11 +50,13 @@ from kubellm.data.packing import (
     PackStats,
     Rows,
     concat_rows,
+    is_masked,
     make_packer,
 )
 from kubellm.data.records import Counts, DataError, Record
 from kubellm.data.sources import SourceOptions, read_records, source_files
-from kubellm.data.tokenizer import load_tokenizer, train_bpe
+from kubellm.data.templates import DEFAULT_CHAT_TEMPLATE, ChatFormat
+from kubellm.data.tokenizer import EOS, PAD, load_tokenizer, train_bpe
 
 __all__ = ["DataError", "PrepareParams", "is_validation", "prepare"]
 
@@ -67,6 +69,8 @@ MAX_EXAMPLES = 10_000  # held-out prompt/completion pairs kept for task metrics
 # calls, each a GIL hand-off), 4 Mi no faster.
 _BATCH_CHARS = 1 << 21
 _MAX_INFLIGHT = 3  # batches cleaned but not yet packed and written
+_FINGERPRINT_BATCH = 1024  # records' raw texts hashed into the source fingerprint at a time
+_blake2b = hashlib.blake2b
 _NOT_SYMBOL_BYTES = (string.ascii_letters + string.digits + string.whitespace).encode() + bytes(
     range(128, 256)
 )
@@ -79,6 +83,7 @@ class PrepareParams:
     text_field: str = "text"
     text_mode: TextMode = "file"  # plain text: a document per file or per line
     template: Template = "none"
+    chat_loss: ChatLoss = "all_assistant"  # chats: every assistant turn trained, or the last
     mask_prompt: bool = True  # prompt/completion records: loss on the completion only
     tokenizer: str = ""  # a tokenizer directory or hub name; "" trains a byte-level BPE
     trust_remote_code: bool = False
@@ -100,7 +105,9 @@ class PrepareParams:
     on_error: OnError = "skip"
     progress_s: float = 10.0
 
-    def source_options(self) -> SourceOptions:
+    def source_options(self, chat: ChatFormat | None = None) -> SourceOptions:
+        """How to read the source; templated records are rendered in `chat` (None: the
+        default chat format, which the byte-level BPE this data trains is saved with)."""
         return SourceOptions(
             format=self.format,
             text_field=self.text_field,
@@ -109,7 +116,13 @@ class PrepareParams:
             on_error=self.on_error,
             num_records=self.num_records,
             seed=self.seed,
+            chat=chat if chat is not None or self.template == "none" else self.default_chat(),
         )
+
+    def default_chat(self) -> ChatFormat:
+        """The default chat format with the byte-level BPE's special tokens."""
+        special = {"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}
+        return ChatFormat(DEFAULT_CHAT_TEMPLATE, special, self.chat_loss)
 
 
 def normalize(text: str) -> str:
@@ -234,13 +247,32 @@ class _Cleaner:
         self.counts = counts
         self.seen: set[bytes] = set()
         self.near = NearDuplicates(p.near_dedup_threshold, seed=p.seed) if p.near_dedup else None
-        self.fingerprint = hashlib.sha256()
+        self._fingerprint = hashlib.sha256()
+        self._unhashed: list[bytes] = []  # raw texts not yet in the fingerprint, in order
+
+    @property
+    def fingerprint(self) -> Any:
+        """The source fingerprint's hash (hashlib), every record so far in it.
+
+        The same bytes as one update per record (its raw text, then NUL), hashed a batch at
+        a time: two calls per record cost more than hashing a short record's bytes.
+        """
+        if self._unhashed:
+            self._fingerprint.update(b"\0".join(self._unhashed))
+            self._fingerprint.update(b"\0")
+            self._unhashed.clear()
+        return self._fingerprint
 
     def keep(self, rec: Record) -> tuple[Record, bool] | None:
         """The cleaned record and whether it is held out, or None when it is dropped."""
         p, counts = self.p, self.counts  # the reader has counted the record as read
-        self.fingerprint.update(rec.text.encode("utf-8", "surrogatepass"))
-        self.fingerprint.update(b"\0")
+        raw_in = rec.text.encode("utf-8", "surrogatepass")
+        unhashed = self._unhashed
+        unhashed.append(raw_in)
+        if len(unhashed) >= _FINGERPRINT_BATCH:
+            self.fingerprint  # noqa: B018  (hashes the batch)
+        if rec.segments is not None:
+            return self._keep_chat(rec)
         text = normalize(rec.text)
         if not text:
             counts.drop("empty", rec.where, p.on_error)
@@ -252,14 +284,20 @@ class _Cleaner:
         if len(text) < p.min_chars:
             counts.drop("too_short", rec.where, "skip")
             return None
-        raw = text.encode("utf-8", "surrogatepass")  # once, for the symbol count and the key
-        if _symbols(raw) / max(len(text), 1) > p.max_symbol_ratio:
+        # once, for the symbol count and the key (the raw bytes when normalizing changed nothing)
+        raw = raw_in if text is rec.text else text.encode("utf-8", "surrogatepass")
+        if len(raw.translate(None, _NOT_SYMBOL_BYTES)) / max(len(text), 1) > p.max_symbol_ratio:
             counts.drop("symbol_ratio", rec.where, "skip")
             return None
-        if repeated_line_ratio(text) > p.max_repeated_line_ratio:
+        if (
+            "\n" in text
+            # the ratio is at most 1 - 1/n for n non-empty lines, and n is at most this
+            and 1.0 - 1.0 / (text.count("\n") + 1 - text.count("\n\n")) > p.max_repeated_line_ratio
+            and repeated_line_ratio(text) > p.max_repeated_line_ratio
+        ):
             counts.drop("repeated_lines", rec.where, "skip")
             return None
-        key = _digest(raw)
+        key = _blake2b(raw, digest_size=16).digest()  # = _digest(raw)
         if key in self.seen:
             counts.drop("duplicate", rec.where, "skip")
             return None
@@ -268,6 +306,10 @@ class _Cleaner:
             counts.drop("near_duplicate", rec.where, "skip")
             return None
         counts.kept += 1
+        if rec.prompt is None or rec.completion is None:  # plain text (not rec.is_pair)
+            if text is not rec.text:
+                rec = Record(text, rec.where, rec.prompt, rec.completion)
+            return rec, _is_val(key, p.val_fraction)
         if rec.is_pair and rec.text != (rec.prompt or "") + (rec.completion or ""):
             rec = Record(rec.text, rec.where)  # fields that do not make up the text: plain text
         if rec.is_pair and text != rec.text:
@@ -278,17 +320,55 @@ class _Cleaner:
             rec = Record(text, rec.where, rec.prompt, rec.completion)
         return rec, _is_val(key, p.val_fraction)
 
+    def _keep_chat(self, rec: Record) -> tuple[Record, bool] | None:
+        """A chat as its template rendered it: not normalized, since its whitespace and markup
+        are the model's format, and the server renders them unchanged. The filters read the
+        messages' contents, not the markup around them (a short chat in Llama 3's headers is
+        mostly symbols, and repeated role headers are not repeated lines); duplicates are
+        equal renderings."""
+        p, counts = self.p, self.counts
+        content = "\n".join([m["content"] for m in rec.messages or ()])
+        if not content.strip():
+            counts.drop("empty", rec.where, p.on_error, "every message is empty")
+            return None
+        if len(rec.text) > p.max_chars:
+            detail = f"{len(rec.text)} characters > max_chars={p.max_chars}"
+            counts.drop("too_long", rec.where, p.on_error, detail)
+            return None
+        if len(content) < p.min_chars:
+            counts.drop("too_short", rec.where, "skip")
+            return None
+        if symbol_ratio(content) > p.max_symbol_ratio:
+            counts.drop("symbol_ratio", rec.where, "skip")
+            return None
+        if repeated_line_ratio(content) > p.max_repeated_line_ratio:
+            counts.drop("repeated_lines", rec.where, "skip")
+            return None
+        key = digest(rec.text)
+        if key in self.seen:
+            counts.drop("duplicate", rec.where, "skip")
+            return None
+        self.seen.add(key)
+        if self.near is not None and self.near.is_duplicate(content):
+            counts.drop("near_duplicate", rec.where, "skip")
+            return None
+        counts.kept += 1
+        return rec, _is_val(key, p.val_fraction)
 
-_Encoded = tuple[list[bool], list[Any], list[Any], list[Any]]
+
+_Encoded = tuple[list[bool], list[Any], list[tuple[bool, ...]], list[Any]]
+_PAIR = (False, True)  # a prompt, then its completion
 
 
 def _encode(tokenizer: Any, records: list[Record], mask_prompt: bool) -> _Encoded:
-    """The tokenizer's calls for `records`: (split, whole, prompts, answers) encodings.
+    """The tokenizer's calls for `records`: (split, whole, flags, pieces) encodings.
 
-    Prompt/completion records are encoded in two parts when the prompt is masked, so the
-    boundary is exact; plain text is one part, all targets. Only the Rust calls (they
-    release the GIL and use every core); `_docs` takes the ids out, so a thread running
-    this one is free to start the next batch meanwhile.
+    Records with a prompt are encoded in pieces when the prompt is masked, so each boundary
+    is exact (and the prompt's ids are the ones a server encodes it to): prompt/completion
+    pairs in two, rendered chats in their segments (`flags`: which piece is trained, per
+    record); plain text is one part, all targets. Only the Rust calls (they release the GIL
+    and use every core); `_docs` takes the ids out, so a thread running this one is free
+    to start the next batch meanwhile.
     """
     backend = tokenizer.backend_tokenizer
     # encode_batch_fast: the same ids as encode_batch, without computing character offsets
@@ -299,24 +379,42 @@ def _encode(tokenizer: Any, records: list[Record], mask_prompt: bool) -> _Encode
     whole = encode(
         [r.text for r, s in zip(records, split, strict=True) if not s], add_special_tokens=False
     )
-    pairs = [r for r, s in zip(records, split, strict=True) if s]
-    prompts = encode([r.prompt for r in pairs], add_special_tokens=False)
-    answers = encode([r.completion for r in pairs], add_special_tokens=False)
-    return split, whole, prompts, answers
+    texts: list[str] = []
+    flags: list[tuple[bool, ...]] = []
+    for r, s in zip(records, split, strict=True):
+        if not s:
+            continue
+        if r.segments is None:
+            texts += (r.prompt or "", r.completion or "")
+            flags.append(_PAIR)
+        else:
+            texts += [t for t, _ in r.segments]
+            flags.append(tuple([trained for _, trained in r.segments]))
+    return split, whole, flags, encode(texts, add_special_tokens=False)
 
 
 def _docs(encoded: _Encoded) -> list[Doc]:
-    split, whole, prompts, answers = encoded
-    if not prompts:
+    split, whole, flags, pieces = encoded
+    if not flags:
         return [(e.ids, 0) for e in whole]
     out: list[Doc] = []
-    it_whole, it_p, it_a = iter(whole), iter(prompts), iter(answers)
+    it_whole, it_flags, it_pieces = iter(whole), iter(flags), iter(pieces)
     for s in split:
-        if s:
-            p, a = next(it_p).ids, next(it_a).ids
-            out.append((p + a, len(p)))
-        else:
+        if not s:
             out.append((next(it_whole).ids, 0))
+            continue
+        f = next(it_flags)
+        if f == _PAIR:
+            p, a = next(it_pieces).ids, next(it_pieces).ids
+            out.append((p + a, len(p)))
+            continue
+        ids: list[int] = []
+        masks = []
+        for trained in f:  # a chat with several trained turns: a mask per token
+            piece = next(it_pieces).ids
+            ids += piece
+            masks.append(np.full(len(piece), trained, dtype=np.int8))
+        out.append((ids, np.concatenate(masks) if masks else np.empty(0, np.int8)))
     return out
 
 
@@ -356,10 +454,10 @@ class _ShardWriter:
     def _table(self, rows: Rows, a: int, b: int) -> pa.Table:
         seq_len = rows.ids.shape[1]
         n = b - a
-        offsets = pa.array([i * seq_len for i in range(n + 1)], type=pa.int32())
-        cols = [pa.ListArray.from_arrays(offsets, pa.array(rows.ids[a:b].reshape(-1)))]
+        offsets = _arrow(np.arange(0, (n + 1) * seq_len, seq_len, dtype=np.int32))
+        cols = [pa.ListArray.from_arrays(offsets, _arrow(rows.ids[a:b].reshape(-1)))]
         if self.with_mask:
-            cols.append(pa.ListArray.from_arrays(offsets, pa.array(rows.mask[a:b].reshape(-1))))
+            cols.append(pa.ListArray.from_arrays(offsets, _arrow(rows.mask[a:b].reshape(-1))))
         return pa.Table.from_arrays(cols, schema=self.schema)
 
     def _close(self) -> None:
@@ -375,6 +473,28 @@ class _ShardWriter:
     def close(self) -> list[dict[str, Any]]:
         self._close()
         return self.shards
+
+
+def _arrow(values: np.ndarray) -> pa.Array:
+    """A numpy array as an Arrow array, zero-copy.
+
+    `pa.array` imports pandas on its first call (to check for pandas objects): over a
+    second of `kubellm prepare`'s start-up, for a library prepare never uses.
+    """
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(
+        pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)]
+    )
+
+
+def _arrow_strings(texts: list[str]) -> pa.Array:
+    """`pa.array(texts, pa.string())` without pandas (see `_arrow`)."""
+    data = [t.encode("utf-8") for t in texts]
+    offsets = np.zeros(len(data) + 1, dtype=np.int32)
+    np.cumsum([len(d) for d in data], out=offsets[1:])
+    return pa.Array.from_buffers(
+        pa.string(), len(data), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(data))]
+    )
 
 
 @dataclass
@@ -400,7 +520,9 @@ def _train_tokenizer(p: PrepareParams) -> Any:
         for rec in read_records(p.source, p.source_options(), sample_counts):
             kept = cleaner.keep(rec)
             if kept is not None and not kept[1]:
-                yield kept[0].text
+                rec = kept[0]
+                # a rendered chat's EOS is the special token: nothing for the BPE to learn
+                yield rec.text if rec.segments is None else rec.text.replace(EOS, "")
 
     return train_bpe(islice(texts(), p.tokenizer_sample), p.vocab_size)
 
@@ -451,6 +573,14 @@ def _prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
     else:
         tokenizer = _train_tokenizer(p)
         tok_info = {"kind": "byte-level-bpe", "source": "trained on this data"}
+    chat = None
+    if p.template != "none":
+        # chats are rendered in the tokenizer's own format; one without a template gets the
+        # default, saved with it, so the served model renders prompts as training did
+        if not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+        chat = ChatFormat.from_tokenizer(tokenizer, p.chat_loss)
+        tok_info["chat_template"] = "default" if chat.is_default else "tokenizer's own"
     tokenizer.save_pretrained(out / "tokenizer")
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -495,7 +625,7 @@ def _prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
         else:
             docs = _docs(result) if result is not None else []
             split.documents += len(docs)
-            split.masked += sum(1 for _, n in docs if n)
+            split.masked += sum(1 for _, n in docs if is_masked(n))
             split.tokens += sum(len(ids) + 1 for ids, _ in docs)
         if isinstance(split.packer, ConcatPacker):
             if docs:
@@ -535,7 +665,7 @@ def _prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
             while len(inflight) > _MAX_INFLIGHT:  # bounded memory: a few batches at a time
                 inflight.popleft().result()
 
-        for rec in read_records(p.source, p.source_options(), counts):
+        for rec in read_records(p.source, p.source_options(chat), counts):
             kept = cleaner.keep(rec)
             if kept is None:
                 continue
@@ -545,7 +675,12 @@ def _prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
             split.pending_chars += len(rec.text)
             split.in_group += 1
             if held_out and rec.is_pair and len(examples) < MAX_EXAMPLES:
-                examples.append({"prompt": rec.prompt or "", "completion": rec.completion or ""})
+                if chat is not None and rec.messages is not None:
+                    examples.append(chat.example(rec.messages))
+                else:
+                    examples.append(
+                        {"prompt": rec.prompt or "", "completion": rec.completion or ""}
+                    )
             if split.in_group >= p.batch_records:
                 submit(split, end=True)
             elif split.pending_chars >= _BATCH_CHARS:
@@ -575,15 +710,13 @@ def _prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
             )
 
     (out / "eval").mkdir(exist_ok=True)
-    pq.write_table(
-        pa.table(
-            {
-                "prompt": pa.array([e["prompt"] for e in examples], pa.string()),
-                "completion": pa.array([e["completion"] for e in examples], pa.string()),
-            }
-        ),
-        out / "eval" / "examples.parquet",
-    )
+    columns = {
+        "prompt": _arrow_strings([e["prompt"] for e in examples]),
+        "completion": _arrow_strings([e["completion"] for e in examples]),
+    }
+    if any("messages" in e for e in examples):  # chats: the messages before the answer, JSON
+        columns["messages"] = pa.array([e.get("messages", "") for e in examples], pa.string())
+    pq.write_table(pa.table(columns), out / "eval" / "examples.parquet")
     elapsed = time.monotonic() - t0
     total_tokens = sum(s.tokens for s in splits.values())
     rows_tokens = sum(s.writer.rows for s in splits.values()) * p.seq_len

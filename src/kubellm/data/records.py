@@ -35,12 +35,19 @@ class DataError(ValueError):
 
 @dataclass
 class Record:
-    """One document: the training text, and its prompt/completion split when it has one."""
+    """One document: the training text, and its prompt/completion split when it has one.
+
+    A chat rendered by its template (kubellm.data.templates) also has `segments`, the text in
+    (piece, trainable) pieces (several trained turns), and `messages`, the chat itself; its
+    prompt/completion split falls at the start of the last trained piece.
+    """
 
     text: str
     where: str = ""  # "path:line" (or "path" for whole-file documents), for error messages
     prompt: str | None = None
     completion: str | None = None
+    segments: tuple[tuple[str, bool], ...] | None = None
+    messages: list[dict[str, str]] | None = None
 
     @property
     def is_pair(self) -> bool:

@@ -35,13 +35,14 @@ from typing import Any, Literal, Protocol
 
 import fsspec
 import pyarrow as pa
+import pyarrow.json as pj
 import pyarrow.parquet as pq
 import zstandard
 
 from kubellm.config import DataFormat, OnError, Template, TextMode
 from kubellm.data.records import Counts, DataError, Record
 from kubellm.data.synthetic import arithmetic_records
-from kubellm.data.templates import render_messages, render_prompt_response
+from kubellm.data.templates import ChatFormat, Segment, check_messages, prompt_response_messages
 
 Format = Literal["jsonl", "parquet", "text", "hf"]
 
@@ -53,6 +54,10 @@ BATCH_ROWS = 1024
 # bounds each decoded piece: text compresses 4-10x (tens of KB), repetitive data 100x (~1 MB).
 # Measured: 8 KiB steps decode as fast as 256 KiB ones.
 _ZSTD_STEP = 1 << 13
+# Plain-text JSONL is parsed this many lines (or bytes) at a time by Arrow's JSON reader,
+# and line by line only where a batch has a line Arrow and Python might read differently.
+_JSONL_LINES = 1024
+_JSONL_BYTES = 1 << 20
 
 _FORMATS: dict[str, Format] = {
     ".jsonl": "jsonl",
@@ -83,6 +88,9 @@ class SourceOptions:
     prompt_field: str = "prompt"
     response_field: str = "response"
     messages_field: str = "messages"
+    # templated records are rendered in this format (the tokenizer's chat template, see
+    # kubellm.data.templates); None: the default format with the byte-level BPE's EOS
+    chat: ChatFormat | None = None
     on_error: OnError = "skip"
     num_records: int = 20000  # synthetic only
     seed: int = 0  # synthetic only
@@ -276,6 +284,7 @@ def _read_file(
     happened, and the rest of the file is lost under `unreadable_file`.
     """
     units = 0
+    tally = [0]  # rows _jsonl_records read (it counts them itself)
     try:
         with ExitStack() as stack:
             raw: Any = stack.enter_context(f.fs.open(f.path, "rb"))  # fsspec files are untyped
@@ -285,7 +294,11 @@ def _read_file(
                 rows = _arrow_rows(f, raw, opts)
             else:
                 stream = _decompress(raw, compression, stack)
-                rows = _jsonl_rows(f, stream) if fmt == "jsonl" else _text_rows(f, stream, opts)
+                if fmt == "jsonl" and opts.template == "none":  # counts its own rows
+                    yield from _jsonl_records(f, stream, opts, counts, tally)
+                    rows = iter(())
+                else:
+                    rows = _jsonl_rows(f, stream) if fmt == "jsonl" else _text_rows(f, stream, opts)
             for where, row in rows:
                 units += 1
                 counts.read += 1
@@ -295,10 +308,12 @@ def _read_file(
     except DataError:
         raise
     except _READ_ERRORS as err:
+        units += tally[0]
         counts.read += 1
         after = f" (after {units} records)" if units else ""
         counts.drop("unreadable_file", f.name, opts.on_error, f"{type(err).__name__}: {err}{after}")
         return
+    units += tally[0]
     if units == 0:
         counts.read += 1
         counts.drop("empty_file", f.name, opts.on_error, "no records in the file")
@@ -314,10 +329,13 @@ class _Bad:
 Row = Mapping[str, Any] | _Bad
 
 
-def _jsonl_rows(f: _File, stream: _Stream) -> Iterator[tuple[str, Row]]:
-    """One row per non-blank line; a line is decoded alone, so one bad line costs one record."""
-    for lineno, raw in enumerate(stream, start=1):
-        if not raw.strip():
+def _jsonl_rows(f: _File, stream: Iterable[bytes], start: int = 1) -> Iterator[tuple[str, Row]]:
+    """One row per non-blank line; a line is decoded alone, so one bad line costs one record.
+
+    `start`: the number of the stream's first line in the file.
+    """
+    for lineno, raw in enumerate(stream, start=start):
+        if raw.isspace():  # blank (the same bytes as `not raw.strip()`, without the copy)
             continue
         where = f"{f.name}:{lineno}"
         try:
@@ -356,6 +374,138 @@ def _loads(line: str) -> Any:
             if not line[end:].strip(" \t\n\r"):  # JSON's whitespace, nothing else after
                 return obj
     return json.loads(line)
+
+
+def _jsonl_records(
+    f: _File, stream: _Stream, opts: SourceOptions, counts: Counts, tally: list[int]
+) -> Iterator[Record]:
+    """Plain-text JSONL (template "none"): the records `_jsonl_rows` + `_to_record` make,
+    counted the same way (`tally[0]`: rows read), with the usual lines parsed in batches.
+
+    Short records (instruction data) spend more time in Python's JSON decoder, the per-row
+    dicts and the per-row calls than in the tokenizer; Arrow's reader parses a batch in C++
+    and only the wanted fields become Python strings. A line that is not the usual shape
+    (one object from "{" to "}" and a newline, valid UTF-8) goes through `_jsonl_rows` on
+    its own, in its place; lines read before a read error still become records.
+    """
+    batch: list[bytes] = []
+    size = first = lineno = 0
+    try:
+        for raw in stream:
+            lineno += 1
+            if raw.endswith(b"}\n") and raw.startswith(b"{") and (raw.isascii() or _utf8(raw)):
+                if not batch:
+                    first = lineno
+                batch.append(raw)
+                size += len(raw)
+                if len(batch) >= _JSONL_LINES or size >= _JSONL_BYTES:
+                    lines, batch, size = batch, [], 0
+                    yield from _jsonl_batch(f, lines, first, opts, counts, tally)
+                continue
+            if batch:
+                lines, batch, size = batch, [], 0
+                yield from _jsonl_batch(f, lines, first, opts, counts, tally)
+            yield from _jsonl_lines(f, [raw], lineno, opts, counts, tally)
+    except _READ_ERRORS:
+        lines, batch = batch, []
+        yield from _jsonl_batch(f, lines, first, opts, counts, tally)
+        raise
+    yield from _jsonl_batch(f, batch, first, opts, counts, tally)
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _jsonl_lines(
+    f: _File, lines: list[bytes], first: int, opts: SourceOptions, counts: Counts, tally: list[int]
+) -> Iterator[Record]:
+    """Lines `first`... read one by one, as `_read_file` reads any JSONL file."""
+    for where, row in _jsonl_rows(f, lines, first):
+        tally[0] += 1
+        counts.read += 1
+        rec = _to_record(row, where, opts, counts)
+        if rec is not None:
+            yield rec
+
+
+def _jsonl_batch(
+    f: _File, lines: list[bytes], first: int, opts: SourceOptions, counts: Counts, tally: list[int]
+) -> Iterator[Record]:
+    """The records of `lines` (usual lines, line `first` on): parsed by Arrow if it can."""
+    if not lines:
+        return
+    columns = _parse_batch(lines, opts)
+    if columns is None:  # something Arrow refuses (a number as text...): one by one
+        yield from _jsonl_lines(f, lines, first, opts, counts, tally)
+        return
+    texts, prompts, completions = columns
+    name, on_error, field = f.name, opts.on_error, opts.text_field
+    tally[0] += len(texts)
+    counts.read += len(texts)
+    # Arrow's strings are valid UTF-8 (no lone surrogates): _to_record's check cannot fire
+    if prompts is None or completions is None:  # no pairs in the batch: plain text
+        for lineno, text in enumerate(texts, first):
+            if text is None:
+                where = f"{name}:{lineno}"
+                counts.drop("missing_text", where, on_error, _not_string(field, None))
+                continue
+            yield Record(text, f"{name}:{lineno}")
+        return
+    for lineno, text, prompt, completion in zip(
+        range(first, first + len(texts)), texts, prompts, completions, strict=True
+    ):
+        if text is None:
+            where = f"{name}:{lineno}"
+            counts.drop("missing_text", where, on_error, _not_string(field, None))
+            continue
+        if prompt is None or completion is None:
+            prompt = completion = None
+        yield Record(text, f"{name}:{lineno}", prompt, completion)
+
+
+_BATCH_PARSE: dict[tuple[str, ...], pj.ParseOptions] = {}
+
+
+def _parse_batch(
+    lines: list[bytes], opts: SourceOptions
+) -> tuple[list[Any], list[Any] | None, list[Any] | None] | None:
+    """(texts, prompts, completions) of usual JSONL lines, or None to read them one by one.
+
+    Each line is one object from "{" to "}\\n" and valid UTF-8 (Arrow does not check the
+    fields it skips). Arrow is trusted where it reads the batch without error (it refuses
+    lone surrogates, control characters in strings, a wanted key twice, trailing data, and
+    a number, list or object where a wanted field is) into one row per line: then each
+    wanted field is what Python's json gives, a string or None. None for prompts or
+    completions: that field is null throughout.
+    """
+    block = b"".join(lines)
+    if b"-NaN" in block:  # Arrow reads it as a number, Python's json refuses it
+        return None
+    wanted = tuple(dict.fromkeys((opts.text_field, "prompt", "completion")))
+    parse = _BATCH_PARSE.get(wanted)
+    if parse is None:
+        schema = pa.schema([(c, pa.string()) for c in wanted])
+        parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+        _BATCH_PARSE[wanted] = parse
+    read = pj.ReadOptions(use_threads=False, block_size=len(block) + 1)
+    try:
+        table = pj.read_json(pa.BufferReader(block), read_options=read, parse_options=parse)
+    except pa.ArrowException:
+        return None
+    if table.num_rows != len(lines):
+        return None
+
+    def column(name: str) -> list[Any] | None:
+        col = table.column(name)
+        return None if col.null_count == len(col) else col.to_pylist()
+
+    texts = table.column(opts.text_field).to_pylist()
+    return texts, column("prompt"), column("completion")
 
 
 def _text_rows(f: _File, stream: _Stream, opts: SourceOptions) -> Iterator[tuple[str, Row]]:
@@ -450,11 +600,18 @@ def _to_record(row: Row, where: str, opts: SourceOptions, counts: Counts) -> Rec
             prompt = completion = None
     else:
         try:
-            prompt, completion = _render(row, opts)
+            segments, messages = _render(row, opts)
         except ValueError as err:
             counts.drop("bad_template", where, opts.on_error, str(err))
             return None
-        text = prompt + completion
+        text = "".join([s for s, _ in segments])
+        # prompt/completion: split where the last trained piece starts
+        cut = len(text)
+        for i in range(len(segments) - 1, -1, -1):
+            if segments[i][1]:
+                cut -= sum([len(s) for s, _ in segments[i:]])
+                break
+        prompt, completion = text[:cut], text[cut:]
     # JSON "\ud800" escapes decode to lone surrogates, which cannot be encoded to UTF-8 and
     # would fail the tokenizer far from here; count them where the input is.
     for s in (text, prompt, completion):
@@ -464,19 +621,40 @@ def _to_record(row: Row, where: str, opts: SourceOptions, counts: Counts) -> Rec
             except UnicodeEncodeError as err:
                 counts.drop("invalid_utf8", where, opts.on_error, f"lone surrogate: {err}")
                 return None
+    if opts.template != "none":
+        return Record(text, where, prompt, completion, segments, messages)
     return Record(text, where, prompt, completion)
 
 
-def _render(row: Mapping[str, Any], opts: SourceOptions) -> tuple[str, str]:
-    """(prompt, completion) under the template; ValueError says what is wrong with the row."""
+def _render(
+    row: Mapping[str, Any], opts: SourceOptions
+) -> tuple[tuple[Segment, ...], list[dict[str, str]]]:
+    """(segments, messages) under the template; ValueError says what is wrong with the row.
+    A prompt/response pair is a user message and the assistant's answer."""
     if opts.template == "messages":
-        return render_messages(row.get(opts.messages_field))
-    prompt, response = row.get(opts.prompt_field), row.get(opts.response_field)
-    if not isinstance(prompt, str):
-        raise ValueError(_not_string(opts.prompt_field, prompt))
-    if not isinstance(response, str):
-        raise ValueError(_not_string(opts.response_field, response))
-    return render_prompt_response(prompt, response)
+        messages = check_messages(row.get(opts.messages_field))
+    else:
+        prompt, response = row.get(opts.prompt_field), row.get(opts.response_field)
+        if not isinstance(prompt, str):
+            raise ValueError(_not_string(opts.prompt_field, prompt))
+        if not isinstance(response, str):
+            raise ValueError(_not_string(opts.response_field, response))
+        messages = prompt_response_messages(prompt, response)
+    return (opts.chat or _default_chat()).checked_segments(messages), messages
+
+
+_DEFAULT_CHAT: list[ChatFormat] = []
+
+
+def _default_chat() -> ChatFormat:
+    """The default chat format with the byte-level BPE's special tokens (built once)."""
+    if not _DEFAULT_CHAT:
+        from kubellm.data.tokenizer import EOS, PAD
+
+        _DEFAULT_CHAT.append(
+            ChatFormat(special_tokens={"bos_token": EOS, "eos_token": EOS, "pad_token": PAD})
+        )
+    return _DEFAULT_CHAT[0]
 
 
 def _not_string(name: str, value: Any) -> str:

@@ -12,14 +12,10 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from kubellm.data.templates import DEFAULT_CHAT_TEMPLATE
+
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
-# A plain "role: content" transcript, so a model trained here answers OpenAI chat requests
-# (servers refuse chat for a tokenizer without a template).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -43,12 +39,25 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD, padding_side="left"
     )
-    wrapped.chat_template = CHAT_TEMPLATE
+    # the format prepare renders chat records in (kubellm.data.templates), saved with the
+    # tokenizer: the server renders /chat/completions prompts exactly as training did
+    wrapped.chat_template = DEFAULT_CHAT_TEMPLATE
     return wrapped
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrainedTokenizerFast:
-    """Load a saved tokenizer directory (or hub name); remote code only when asked."""
+    """Load a saved tokenizer directory (or hub name); remote code only when asked.
+
+    A directory saved as the generic fast tokenizer (what `train_bpe` makes) is loaded by
+    that class directly: AutoTokenizer would load the same class, but imports the model
+    configuration machinery, and with it torch, first (about 2 s of `kubellm prepare`).
+    """
+    if _generic_fast(Path(path)):
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "left"
+        return tok  # type: ignore[no-any-return]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -56,3 +65,22 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> PreTrai
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok  # type: ignore[no-any-return,return-value]
+
+
+_GENERIC_FAST = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+
+def _generic_fast(path: Path) -> bool:
+    """Whether `path` is a local tokenizer directory of the generic fast class, no remote code."""
+    import json
+
+    try:
+        cfg = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(cfg, dict)
+        and cfg.get("tokenizer_class") in _GENERIC_FAST
+        and "auto_map" not in cfg
+        and (path / "tokenizer.json").is_file()
+    )

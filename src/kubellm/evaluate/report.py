@@ -28,7 +28,7 @@ MAX_CHART_POINTS = 2000  # more than a chart's width resolves; longer histories 
 MAX_MARKERS = 200  # a dot with a hover title per point up to this many points
 
 # The metrics in the order a reader looks for them; others follow alphabetically.
-METRIC_ORDER = ("exact_match", "eval_loss", "perplexity", "eval_examples")
+METRIC_ORDER = ("exact_match", "eval_loss", "perplexity", "bits_per_byte", "eval_examples")
 
 
 @dataclass(frozen=True)
@@ -320,6 +320,12 @@ def _metrics_table(
         if champion
         else f"{no_champion}: only the gate's absolute bar applies"
     )
+    if champion is not None and champion.tokenizer_differs:
+        why += (
+            f"; the tokenizers differ ({champion.tokenizer_differs}): the champion has no "
+            "eval_loss or perplexity on the candidate's tokens, and bits_per_byte (each model "
+            "on its own tokenization of the same texts) compares them"
+        )
     note = f'<p class="note">{_e(why[:1].upper() + why[1:])}; the gate metric is highlighted.</p>'
 
     return f'<table class="metrics">{head}{"".join(rows)}</table>{note}'

@@ -5,7 +5,13 @@
 - a user task: a JSONL of prompt/answer records given as `eval_data` (a path or any fsspec
   URI, optionally .gz/.zst), scored by exact match of the greedy completion. It replaces the
   built-in examples, for the candidate and the champion alike, so the gate compares both on
-  the task the user cares about.
+  the task the user cares about;
+- chats, in either: a record with `messages` (OpenAI format, ending with the expected
+  assistant answer) is asked as the server would be asked it: its prompt is the model's chat
+  template rendering of the messages before the answer, with the assistant's turn opened
+  (kubellm.data.templates.ChatFormat, the rendering prepare trains on). The messages stay
+  with the example, so `for_model` renders them again for a model with another template (a
+  champion on another base model), and the smoke test asks them on the chat route.
 
 Held-out loss and perplexity always come from the val split (kubellm.evaluate.metrics).
 """
@@ -18,6 +24,7 @@ from typing import Any
 import fsspec
 
 from kubellm.data.records import DataError
+from kubellm.data.templates import ChatFormat, check_messages
 
 PROMPT_KEYS = ("prompt", "question", "input")
 ANSWER_KEYS = ("completion", "answer", "response", "output")
@@ -33,11 +40,14 @@ def _field(row: dict[str, Any], keys: tuple[str, ...], where: str) -> str:
     raise DataError(f"{where}: no {' / '.join(repr(k) for k in keys)} field (has {sorted(row)})")
 
 
-def load_task(uri: str, limit: int | None = None) -> list[dict[str, str]]:
+def load_task(
+    uri: str, limit: int | None = None, chat: ChatFormat | None = None
+) -> list[dict[str, str]]:
     """The prompt/completion pairs of a JSONL task file, in file order (at most `limit`).
 
     Each line is an object with a prompt (`prompt`, `question` or `input`) and its expected
-    answer (`completion`, `answer`, `response` or `output`); blank lines are skipped. Any
+    answer (`completion`, `answer`, `response` or `output`), or a chat (`messages`) rendered
+    with `chat`, the model's format (required for chats); blank lines are skipped. Any
     other line is an error naming the file and line: a task silently shrunk by bad lines
     would gate on fewer examples than the user thinks.
     """
@@ -54,10 +64,14 @@ def load_task(uri: str, limit: int | None = None) -> list[dict[str, str]]:
                     raise DataError(f"{where}: not JSON ({err.msg})") from None
                 if not isinstance(row, dict):
                     raise DataError(f"{where}: a JSON {type(row).__name__}, not an object")
-                prompt = _field(row, PROMPT_KEYS, where)
-                if not prompt:
-                    raise DataError(f"{where}: the prompt is empty")
-                examples.append({"prompt": prompt, "completion": _field(row, ANSWER_KEYS, where)})
+                if "messages" in row:
+                    examples.append(_chat_example(row["messages"], chat, where))
+                else:
+                    prompt = _field(row, PROMPT_KEYS, where)
+                    if not prompt:
+                        raise DataError(f"{where}: the prompt is empty")
+                    answer = _field(row, ANSWER_KEYS, where)
+                    examples.append({"prompt": prompt, "completion": answer})
                 if limit is not None and len(examples) >= limit:
                     break
     except FileNotFoundError:
@@ -65,3 +79,32 @@ def load_task(uri: str, limit: int | None = None) -> list[dict[str, str]]:
     if not examples:
         raise DataError(f"eval_data {uri} has no prompt/answer records")
     return examples
+
+
+def _chat_example(messages: Any, chat: ChatFormat | None, where: str) -> dict[str, str]:
+    if chat is None:
+        raise DataError(
+            f"{where}: a chat (messages) is asked in the model's chat template, and none "
+            "was given (a model without one cannot be asked chats)"
+        )
+    try:
+        return chat.example(check_messages(messages))
+    except ValueError as err:
+        raise DataError(f"{where}: {err}") from None
+
+
+def for_model(examples: list[dict[str, Any]], chat: ChatFormat | None) -> list[dict[str, Any]]:
+    """`examples` with every chat's prompt rendered in `chat`, another model's format (the
+    others as they are): each model is asked a chat the way its server would be asked it.
+    A chat for a model without a chat template is an error, as it is on its server."""
+    if not any(e.get("messages") for e in examples):
+        return examples
+    if chat is None:
+        raise DataError("the examples are chats, and the model has no chat template")
+    out = []
+    for e in examples:
+        if e.get("messages"):
+            history = json.loads(e["messages"])
+            e = {**e, "prompt": chat.generation_prompt(history)}
+        out.append(e)
+    return out

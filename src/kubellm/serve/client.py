@@ -7,6 +7,8 @@ KServe's readiness route and the OpenAI-compatible completions route:
     POST {url}/openai/v1/completions  {"model": name, "prompt": "12+7=", "max_tokens": 8,
                                        "temperature": 0}
                                                      -> {"choices": [{"text": "19", ...}]}
+    POST {url}/openai/v1/chat/completions  {"model": name, "messages": [...], ...}
+                                                     -> {"choices": [{"message": {"content": ..}}]}
 
 so the smoke test and `kubellm promote` speak one protocol to either runtime.
 """
@@ -52,8 +54,26 @@ def is_ready(endpoint: Endpoint) -> bool:
 def complete(endpoint: Endpoint, prompt: str, max_tokens: int = 8, timeout_s: float = 60) -> str:
     """The greedy (temperature 0) completion of one prompt, stripped; ServingError naming the
     endpoint and what it answered otherwise (an HTTP error, a timeout, a malformed body)."""
-    url = f"{endpoint.openai_url}/completions"
     body = {"model": endpoint.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return _post(f"{endpoint.openai_url}/completions", body, timeout_s, ("text",))
+
+
+def chat(
+    endpoint: Endpoint, messages: list[dict[str, str]], max_tokens: int = 8, timeout_s: float = 60
+) -> str:
+    """The greedy answer of the chat completions route to `messages` (the server renders
+    them with the model's chat template), stripped; ServingError as `complete`."""
+    body = {
+        "model": endpoint.name,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    return _post(f"{endpoint.openai_url}/chat/completions", body, timeout_s, ("message", "content"))
+
+
+def _post(url: str, body: dict[str, object], timeout_s: float, path: tuple[str, ...]) -> str:
+    """POST an OpenAI request; the first choice's text at `path`, stripped."""
     try:
         r = requests.post(url, json=body, timeout=timeout_s)
     except requests.Timeout:
@@ -63,7 +83,10 @@ def complete(endpoint: Endpoint, prompt: str, max_tokens: int = 8, timeout_s: fl
     if r.status_code != 200:
         raise ServingError(f"{url} answered {r.status_code}: {r.text[:300]}")
     try:
-        return str(r.json()["choices"][0]["text"]).strip()
+        answer = r.json()["choices"][0]
+        for key in path:
+            answer = answer[key]
+        return str(answer).strip()
     except (ValueError, KeyError, IndexError, TypeError):
         raise ServingError(f"{url} returned {r.text[:300]}") from None
 

@@ -23,6 +23,7 @@ def prepare_params(cfg: PipelineConfig) -> PrepareParams:
         format=cfg.data_format,
         text_field=cfg.text_field,
         template=cfg.template,
+        chat_loss=cfg.chat_loss,
         tokenizer=cfg.tokenizer or cfg.base_model,  # a base model brings its tokenizer
         trust_remote_code=cfg.trust_remote_code,
         packing=cfg.packing,

@@ -1,6 +1,11 @@
 """The evaluate stage: the candidate's held-out metrics, the champion's on the same data (the
 same code, the champion's weights from the registry), and the gate (kubellm.evaluate.gate).
 
+The tokenizers are compared before the champion is scored: the held-out token ids are the
+dataset's tokenizer's, so a champion of another tokenizer gets no loss on them (its
+embedding may not even have rows for them); it is scored on its own tokenization of the
+same held-out texts (bits_per_byte), and the gate compares on that.
+
 Its report is written twice, Markdown and a self-contained HTML page (kubellm.evaluate.report:
 the decision with its reasons, candidate vs champion, the training loss curve read back from
 the train stage's MLflow run, sample generations of both). KFP's UI shows them as the
@@ -15,13 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kubellm.data.artifact import load_eval_examples
+from kubellm.data.records import DataError
 from kubellm.evaluate.gate import PROMOTE, REJECT, Champion, decide
-from kubellm.evaluate.metrics import evaluate
+from kubellm.evaluate.metrics import Row, evaluate, heldout_texts
 from kubellm.evaluate.report import html_report, pair_samples
-from kubellm.evaluate.tasks import load_task
+from kubellm.evaluate.tasks import for_model, load_task
 from kubellm.stages.context import StageContext, StageResult, markdown_table, write_json
 
 __all__ = ["PROMOTE", "REJECT", "Result", "run"]
+
+MAX_EXAMPLES = 256  # evaluate()'s default: the examples both models are asked
 
 
 @dataclass
@@ -30,16 +39,37 @@ class Result(StageResult):
     reason: str = ""
 
 
-def _same_tokenizer(model_dir: Path, dataset_dir: Path) -> bool:
-    """Loss on the dataset's token ids means something only for a model of its tokenizer."""
+def tokenizer_difference(model_dir: Path, dataset_dir: Path) -> str:
+    """How the model's tokenizer differs from the dataset's, e.g. "champion vocab 300,
+    candidate 1024"; empty when it is the same (loss on the dataset's token ids means
+    something only then)."""
     from kubellm.data.artifact import tokenizer_dir
     from kubellm.data.tokenizer import load_tokenizer
+    from kubellm.serve.layout import model_paths
 
+    ours = load_tokenizer(tokenizer_dir(dataset_dir))
     try:
-        theirs = load_tokenizer(model_dir).get_vocab()
-    except (OSError, ValueError):
-        return False
-    return bool(theirs == load_tokenizer(tokenizer_dir(dataset_dir)).get_vocab())
+        theirs = load_tokenizer(model_paths(model_dir)[1])
+    except (OSError, ValueError) as e:
+        return f"the champion's tokenizer does not load: {e}"
+    if theirs.get_vocab() == ours.get_vocab():
+        return ""
+    if len(theirs) == len(ours):
+        return f"champion and candidate vocab {len(ours)}, other tokens"
+    return f"champion vocab {len(theirs)}, candidate {len(ours)}"
+
+
+def chat_format(model_dir: str | Path) -> Any:
+    """The model's chat format (kubellm.data.templates.ChatFormat) from its exported
+    tokenizer's template; None without one (its server refuses chats, so must its gate)."""
+    from kubellm.data.templates import ChatFormat
+    from kubellm.data.tokenizer import load_tokenizer
+    from kubellm.serve.layout import model_paths
+
+    tokenizer = load_tokenizer(model_paths(Path(model_dir))[1])
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return ChatFormat.from_tokenizer(tokenizer)
 
 
 @dataclass(frozen=True)
@@ -52,10 +82,14 @@ class ChampionScore:
 
 
 def champion_on(
-    ctx: StageContext, dataset_dir: Path, task: list[dict[str, str]] | None = None
+    ctx: StageContext,
+    dataset_dir: Path,
+    task: list[dict[str, str]] | None = None,
+    texts: list[Row] | None = None,
 ) -> ChampionScore:
     """The current champion measured on this run's evaluation data (and `task`, the user's
-    eval_data, when given); without one, why."""
+    eval_data, when given); without one, why. `texts`: the held-out texts (heldout_texts),
+    which it scores on its own tokenization."""
     mv = ctx.tracker.champion(ctx.cfg.model_name)
     if mv is None:
         return ChampionScore(None, "no champion yet")
@@ -64,16 +98,27 @@ def champion_on(
     with tempfile.TemporaryDirectory(prefix="champion-") as tmp:
         # a Hugging Face directory whichever layout the version was registered in
         local = download_hf_dir(ctx.tracker.client, mv, Path(tmp) / "model")
+        # before any scoring: another tokenizer's ids are not this model's tokens
+        differs = tokenizer_difference(local, dataset_dir)
+        examples = task if task is not None else load_eval_examples(dataset_dir, MAX_EXAMPLES)
+        try:
+            # chats asked in the champion's own template, as its server would be asked them
+            examples = for_model(examples, chat_format(local))
+        except DataError as err:
+            about = f"champion v{mv.version} (not measured: {err})"
+            return ChampionScore(Champion(str(mv.version), {}, differs), about)
         scored: dict[str, Any] = evaluate(
-            local, dataset_dir, examples=task, dtype=ctx.cfg.serving_dtype
+            local,
+            dataset_dir,
+            examples=examples,
+            dtype=ctx.cfg.serving_dtype,
+            token_loss=not differs,
+            texts=texts,
         )
-        metrics = dict(scored["metrics"])
-        if not _same_tokenizer(local, dataset_dir):
-            # its loss on another tokenizer's ids is meaningless; exact match is text
-            metrics.pop("eval_loss", None)
-            metrics.pop("perplexity", None)
     return ChampionScore(
-        Champion(str(mv.version), metrics), f"champion v{mv.version}", scored["predictions"]
+        Champion(str(mv.version), dict(scored["metrics"]), differs),
+        f"champion v{mv.version}",
+        scored["predictions"],
     )
 
 
@@ -117,11 +162,15 @@ def run(
     and the predictions of both models as artifacts."""
     cfg = ctx.cfg
     with ctx.stage("evaluate") as run_id:
-        task = load_task(cfg.eval_data) if cfg.eval_data else None  # else the held-out examples
+        # the user's task (its chats in the candidate's template), else the held-out examples
+        task = load_task(cfg.eval_data, chat=chat_format(model_dir)) if cfg.eval_data else None
+        texts = heldout_texts(dataset_dir)  # what bits_per_byte measures, for both models
         # in the dtype the model will be served in: the smoke test compares with these answers
-        scored = evaluate(model_dir, dataset_dir, examples=task, dtype=cfg.serving_dtype)
+        scored = evaluate(
+            model_dir, dataset_dir, examples=task, dtype=cfg.serving_dtype, texts=texts
+        )
         metrics: dict[str, float] = dict(scored["metrics"])
-        rival = champion_on(ctx, Path(dataset_dir), task)
+        rival = champion_on(ctx, Path(dataset_dir), task, texts)
         champion, about = rival.champion, rival.about
         gate = decide(
             metrics,
@@ -131,6 +180,7 @@ def run(
             max_perplexity=cfg.gate_max_perplexity,
             margin=cfg.gate_margin,
             guards=cfg.gate_guards,
+            allow_incomparable=cfg.gate_allow_incomparable,
         )
         logged = dict(metrics)
         if champion is not None:
@@ -167,6 +217,7 @@ def run(
                 "gate_max_perplexity": cfg.gate_max_perplexity,
                 "gate_margin": cfg.gate_margin,
                 "gate_guards": json.dumps(cfg.gate_guards, sort_keys=True),
+                "gate_allow_incomparable": cfg.gate_allow_incomparable,
             },
             about={
                 "model": cfg.model_name,

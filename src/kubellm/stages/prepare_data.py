@@ -26,6 +26,8 @@ UNCHANGED = "unchanged"
 class Result(StageResult):
     manifest: dict[str, Any] = field(default_factory=dict)
     data_fingerprint: str = ""
+    # the training recipe (kubellm.recipe), set by record_data: prepare_data knows only data
+    recipe_fingerprint: str = ""
     data_state: str = CHANGED  # the DAG's condition: CHANGED trains, UNCHANGED stops here
 
     @property
@@ -46,8 +48,11 @@ def metrics_of(manifest: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def report_of(manifest: dict[str, Any], verdict: str = "") -> str:
+def report_of(
+    manifest: dict[str, Any], verdict: str = "", recipe: str = "", recipe_about: str = ""
+) -> str:
     rec, tokens = manifest["records"], manifest["tokens"]
+    recipe_rows = [("recipe fingerprint", recipe), ("recipe", recipe_about)] if recipe else []
     dropped = [(f"dropped: {k}", v) for k, v in sorted(rec["dropped"].items())]
     return markdown_table(
         "Prepared data",
@@ -58,6 +63,7 @@ def report_of(manifest: dict[str, Any], verdict: str = "") -> str:
             *dropped,
             ("data fingerprint", manifest["data_fingerprint"]),
             ("source fingerprint", manifest["source_fingerprint"]),
+            *recipe_rows,
         ],
         verdict,
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 from kubellm import __version__
 from kubellm.registry import log_transformers_model, register_version
 from kubellm.stages.context import StageContext, StageResult, markdown_table
-from kubellm.tracking import CHALLENGER, TAG_FINGERPRINT, TAG_KFP_RUN
+from kubellm.tracking import CHALLENGER, TAG_FINGERPRINT, TAG_KFP_RUN, TAG_RECIPE_FINGERPRINT
 
 # The MLflow model's input example: any prompt is valid input; this is the default corpus's.
 INPUT_EXAMPLE = "12+7="
@@ -42,8 +42,10 @@ def lineage_tags(ctx: StageContext) -> dict[str, str]:
         TAG_KUBELLM_VERSION: __version__,
         TAG_PIPELINE_VERSION: ctx.cfg.pipeline_version,
     }
-    if "prepare_data" in runs:
-        tags[TAG_FINGERPRINT] = runs["prepare_data"].data.tags.get(TAG_FINGERPRINT, "")
+    if "prepare_data" in runs:  # what record_data compares a later run's data and recipe with
+        prepared = runs["prepare_data"].data.tags
+        tags[TAG_FINGERPRINT] = prepared.get(TAG_FINGERPRINT, "")
+        tags[TAG_RECIPE_FINGERPRINT] = prepared.get(TAG_RECIPE_FINGERPRINT, "")
     if "train" in runs:
         tags["kubellm.training_run"] = runs["train"].info.run_id
     if "tune" in runs:

@@ -2,6 +2,9 @@
 
 The deploy stage left the new version ready: alone (a first deployment) or as a canary
 beside the previous version. Here the served answers must equal what evaluate saw offline.
+A chat example (held-out chat records, which carry their messages) is asked on the chat
+completions route, so the server renders the prompt with the model's own chat template: the
+answer equals evaluate's only if that rendering is the one evaluate (and training) used.
 Then either the new version takes all traffic and becomes `champion`, or, on any failure
 (wrong answers, an HTTP error, a timeout), traffic goes back to the previous version, or a
 first deployment is removed, `champion` stays where it was, and the step fails with the
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kubellm.backends.base import JobFailed
-from kubellm.serve.client import Endpoint, ServingError, ask
+from kubellm.serve.client import Endpoint, ServingError, chat, complete
 from kubellm.stages.context import StageContext, StageResult
 from kubellm.tracking import CHAMPION
 
@@ -36,6 +39,21 @@ class Result(StageResult):
     served_exact_match: float = 0.0
     near_ties: int = 0  # differing answers excused as near-ties
     endpoint: str = ""  # where the promoted version serves all traffic
+    chats: int = 0  # examples asked on the chat completions route
+
+
+def answers(
+    endpoint: Endpoint, expected: list[dict[str, Any]], max_tokens: int, timeout_s: float
+) -> list[str]:
+    """The served greedy answers, one request each: a chat example (`messages`, JSON) on the
+    chat completions route, a prompt on the completions route."""
+    out = []
+    for e in expected:
+        if e.get("messages"):
+            out.append(chat(endpoint, json.loads(e["messages"]), max_tokens, timeout_s))
+        else:
+            out.append(complete(endpoint, e["prompt"], max_tokens, timeout_s))
+    return out
 
 
 def agreement(answers: list[str], expected: list[dict[str, Any]]) -> tuple[int, int]:
@@ -69,30 +87,32 @@ def run(ctx: StageContext, endpoint_url: str, predictions_path: str | Path, vers
         prompts = [e["prompt"] for e in expected]
         try:
             # same decoding budget as evaluate, so the answers are comparable token for token
-            answers = ask(
+            served = answers(
                 endpoint,
-                prompts,
+                expected,
                 int(expected[0].get("max_new_tokens", 8)),
                 timeout_s=cfg.smoke_timeout_seconds,
             )
         except ServingError as err:
             raise roll_back(f"smoke test of {cfg.model_name} v{version}: {err}") from None
-        same, excused = agreement(answers, expected)
-        correct = sum(a == e["completion"] for a, e in zip(answers, expected, strict=True))
+        same, excused = agreement(served, expected)
+        correct = sum(a == e["completion"] for a, e in zip(served, expected, strict=True))
         n = len(expected)
+        chats = sum(1 for e in expected if e.get("messages"))
         result = Result(
             metrics={"agreement": same / n, "served_exact_match": correct / n},
             prompt=prompts[0],
-            answer=answers[0],
+            answer=served[0],
             expected=expected[0]["completion"],
             agreement=same / n,
             served_exact_match=correct / n,
             near_ties=excused,
+            chats=chats,
         )
+        params = {"prompt": result.prompt, "answer": result.answer, "expected": result.expected}
+        params["route"] = "chat/completions" if expected[0].get("messages") else "completions"
         ctx.tracker.log(
-            run_id,
-            metrics={**result.metrics, "near_ties": float(excused)},
-            params={"prompt": result.prompt, "answer": result.answer, "expected": result.expected},
+            run_id, metrics={**result.metrics, "near_ties": float(excused)}, params=params
         )
         if (same + excused) / n < MIN_AGREEMENT:
             raise roll_back(
@@ -102,6 +122,8 @@ def run(ctx: StageContext, endpoint_url: str, predictions_path: str | Path, vers
         result.endpoint = server.promote(cfg.model_name, cfg.namespace).url
         ctx.tracker.client.set_registered_model_alias(cfg.model_name, CHAMPION, version)
     ties = f", {excused} near-tie(s) excused" if excused else ""
+    if result.chats:
+        ties += f" ({result.chats} on the chat completions route)"
     result.report = (
         f"# Smoke test\n\n`{result.prompt}` -> `{result.answer}` (expected `{result.expected}`); "
         f"served = evaluated on {same}/{n} prompts{ties}; version {version} takes all traffic "

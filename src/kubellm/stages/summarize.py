@@ -48,14 +48,22 @@ def outcome(state: str) -> str:
     return SUCCEEDED if state.strip() in SUCCESS_STATES else FAILED
 
 
+def last_line(error: str) -> str:
+    """What an error says in one line: its last non-empty line (a traceback's or a wrapped
+    error's reason comes last; its first line is often only where it happened)."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def stage_failures(runs: list[Any]) -> list[tuple[str, str]]:
-    """(stage label, error) of every stage run that did not finish, in run order."""
+    """(stage label, its error's last line) of every stage run that did not finish, in run
+    order (the stage run keeps the whole error in its kubellm.error tag)."""
     out = []
     for run in runs:
         if run.info.status in _UNFINISHED:
             stage = str(run.data.tags.get(TAG_STAGE, run.info.run_id))
             label = stage if run.info.status == "FAILED" else f"{stage} (KILLED)"
-            error = run.data.tags.get("kubellm.error", "") or "(no error recorded)"
+            error = last_line(run.data.tags.get("kubellm.error", "")) or "(no error recorded)"
             out.append((label, error))
     return out
 
@@ -137,6 +145,7 @@ def build_summary(
             "eval loss / perplexity",
             f"{fmt(metric('evaluate', 'eval_loss'))} / {fmt(metric('evaluate', 'perplexity'))}",
         ),
+        ("evaluate", "held-out bits per byte", fmt(metric("evaluate", "bits_per_byte"))),
         ("evaluate", "held-out exact match", fmt(metric("evaluate", "exact_match"))),
         (
             "evaluate",
