@@ -62,16 +62,16 @@ def server_log(_server_process: tuple[Endpoint, int, Path]) -> Path:
     return _server_process[2]
 
 
-@pytest.fixture(scope="session")
-def _server_process(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Endpoint, int, Path]]:
+@contextlib.contextmanager
+def kubellm_serve(model_dir: Path, name: str, log_path: Path) -> Iterator[tuple[Endpoint, int]]:
+    """`kubellm serve MODEL_DIR --name NAME` on a free loopback port, its output in
+    `log_path`, until ready (a test failure naming its log when it exits or is not ready in
+    time); stopped, with its process group, on exit, failures included."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
     kubellm = str(Path(sys.executable).parent / "kubellm")  # this environment's entry point
-    cmd = [kubellm, "serve", str(tiny_model_dir), "--name", SERVER_NAME]
+    cmd = [kubellm, "serve", str(model_dir), "--name", name]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    endpoint = Endpoint(SERVER_NAME, f"http://127.0.0.1:{port}")
+    endpoint = Endpoint(name, f"http://127.0.0.1:{port}")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -90,7 +90,7 @@ def _server_process(
             if time.monotonic() > deadline:
                 pytest.fail(f"model server not ready after {READY_TIMEOUT_S:.0f}s")
             time.sleep(0.1)
-        yield endpoint, proc.pid, log_path
+        yield endpoint, proc.pid
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -99,3 +99,12 @@ def _server_process(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="session")
+def _server_process(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Endpoint, int, Path]]:
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with kubellm_serve(tiny_model_dir, SERVER_NAME, log_path) as (endpoint, pid):
+        yield endpoint, pid, log_path

@@ -10,20 +10,12 @@ answers a chat as in-process greedy generation from that rendering does.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-import requests
 import torch
 from fixtures.llama_chat import LLAMA3_TEMPLATE, build_model, build_tokenizer, chat_records
 
@@ -34,6 +26,7 @@ from kubellm.data.tokenizer import load_tokenizer, train_bpe
 from kubellm.serve.generate import load_model
 from kubellm.serve.model import CausalLMModel
 from kubellm.serve.protocol import RequestError
+from serve.conftest import kubellm_serve
 
 CHATS = [r["messages"] for r in chat_records(6, seed=5, multi_turn_every=3)]
 
@@ -88,46 +81,13 @@ def test_data_without_a_template_ships_none_and_the_server_refuses_chat(tmp_path
     assert _served(tokenizer_dir(tmp_path / "ds2")).tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """`kubellm serve` on the Llama-3-style chat model: (OpenAI base URL, model dir)."""
     model_dir = build_model(tmp_path_factory.mktemp("llama-chat"))
-    port = _free_port()
     log = tmp_path_factory.mktemp("llama-server") / "server.log"
-    kubellm = str(Path(sys.executable).parent / "kubellm")
-    cmd = [kubellm, "serve", str(model_dir), "--name", "chat", "--host", "127.0.0.1"]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            [*cmd, "--port", str(port)], stdout=fh, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited {proc.returncode}: {log.read_text()[-2000:]}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(f"{url}/v1/models/chat", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail("server not ready after 180s")
-            time.sleep(0.1)
-        yield f"{url}/openai/v1", model_dir
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with kubellm_serve(model_dir, "chat", log) as (endpoint, _):
+        yield endpoint.openai_url, model_dir
 
 
 def test_served_chat_is_greedy_generation_from_the_rendered_prompt(

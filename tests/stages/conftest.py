@@ -99,3 +99,17 @@ def side_context(ctx: StageContext, run: str, **update: Any) -> StageContext:
     tracker = Tracker(ctx.tracker.client, ctx.tracker.experiment_id, run)
     parent = tracker.start_parent(run, {})
     return StageContext(ctx.cfg.model_copy(update=update), tracker, parent, run)
+
+
+@pytest.fixture
+def champion_v1(chain: Chain, ctx: StageContext) -> Iterator[str]:
+    """The chain's registered version as the champion, for one test."""
+    from kubellm.tracking import CHAMPION
+
+    client, name = ctx.tracker.client, ctx.cfg.model_name
+    version = str(chain.results["register"].version)
+    client.set_registered_model_alias(name, CHAMPION, version)
+    try:
+        yield version
+    finally:
+        client.delete_registered_model_alias(name, CHAMPION)

@@ -9,7 +9,6 @@ registered model (kubellm's default template on a byte-level BPE)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,19 +49,6 @@ def chat_candidate(chain: Chain) -> ChatCandidate:
     task = chain.root / "chat-task.jsonl"
     task.write_text("".join(json.dumps(r) + "\n" for r in chat_records(6, seed=7)))
     return ChatCandidate(model, dataset, task)
-
-
-@pytest.fixture
-def champion_v1(chain: Chain, ctx: StageContext) -> Iterator[str]:
-    from kubellm.tracking import CHAMPION
-
-    client, name = ctx.tracker.client, ctx.cfg.model_name
-    version = str(chain.results["register"].version)
-    client.set_registered_model_alias(name, CHAMPION, version)
-    try:
-        yield version
-    finally:
-        client.delete_registered_model_alias(name, CHAMPION)
 
 
 def test_a_chat_task_is_asked_in_each_models_own_template(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,20 +59,6 @@ def richer(chain: Chain) -> Candidate:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return Candidate(data, out, len(tokenizer))
-
-
-@pytest.fixture
-def champion_v1(chain: Chain, ctx: StageContext) -> Iterator[str]:
-    """The chain's registered version as the champion, for one test."""
-    from kubellm.tracking import CHAMPION
-
-    client, name = ctx.tracker.client, ctx.cfg.model_name
-    version = str(chain.results["register"].version)
-    client.set_registered_model_alias(name, CHAMPION, version)
-    try:
-        yield version
-    finally:
-        client.delete_registered_model_alias(name, CHAMPION)
 
 
 def test_a_richer_tokenizer_is_compared_on_bits_per_byte(

@@ -129,6 +129,15 @@ def already_rejected(
     return None
 
 
+def _stop(
+    why: str, force: bool, rejected: Rejection | None = None
+) -> tuple[str, str, Rejection | None]:
+    """Training is skipped for `why`, unless force=true (then it retrains, saying so)."""
+    if force:
+        return CHANGED, f"{why}; force=true: retraining", None
+    return UNCHANGED, f"{why}: training skipped (force=true retrains)", rejected
+
+
 def verdict_of(
     ctx: StageContext, fingerprint: str, recipe: Recipe, mv: Any | None, gate: str
 ) -> tuple[str, str, Rejection | None]:
@@ -144,9 +153,7 @@ def verdict_of(
                 f"data and recipe unchanged since {since} (data fingerprint "
                 f"{fingerprint[:8]}…, recipe {recipe.fingerprint[:8]}…: {recipe.describe()})"
             )
-            if force:
-                return CHANGED, f"{matched}; force=true: retraining", None
-            return UNCHANGED, f"{matched}: training skipped (force=true retrains)", None
+            return _stop(matched, force)
         if not theirs:
             what = "its recipe is not recorded (registered before recipe fingerprints)"
         else:
@@ -160,9 +167,7 @@ def verdict_of(
             f"data and recipe already rejected in run {rejected.kfp_run_id} "
             f"(gate: {rejected.reason[:300] or 'no reason recorded'})"
         )
-        if force:
-            return CHANGED, f"{why}; force=true: retraining", None
-        return UNCHANGED, f"{why}: training skipped (force=true retrains)", rejected
+        return _stop(why, force, rejected)
     return CHANGED, said, None
 
 
