@@ -388,29 +388,44 @@ def _jsonl_records(
     (one object from "{" to "}" and a newline, valid UTF-8) goes through `_jsonl_rows` on
     its own, in its place; lines read before a read error still become records.
     """
-    batch: list[bytes] = []
-    size = first = lineno = 0
+    chunk: list[bytes] = []  # lines read, not yet sorted into batches
+    size = lineno = 0  # lineno: lines before the chunk
     try:
         for raw in stream:
-            lineno += 1
-            if raw.endswith(b"}\n") and raw.startswith(b"{") and (raw.isascii() or _utf8(raw)):
-                if not batch:
-                    first = lineno
-                batch.append(raw)
-                size += len(raw)
-                if len(batch) >= _JSONL_LINES or size >= _JSONL_BYTES:
-                    lines, batch, size = batch, [], 0
-                    yield from _jsonl_batch(f, lines, first, opts, counts, tally)
-                continue
-            if batch:
-                lines, batch, size = batch, [], 0
-                yield from _jsonl_batch(f, lines, first, opts, counts, tally)
-            yield from _jsonl_lines(f, [raw], lineno, opts, counts, tally)
+            chunk.append(raw)
+            size += len(raw)
+            if len(chunk) >= _JSONL_LINES or size >= _JSONL_BYTES:
+                lines, chunk, size = chunk, [], 0
+                yield from _jsonl_chunk(f, lines, lineno, opts, counts, tally)
+                lineno += len(lines)
     except _READ_ERRORS:
-        lines, batch = batch, []
-        yield from _jsonl_batch(f, lines, first, opts, counts, tally)
+        yield from _jsonl_chunk(f, chunk, lineno, opts, counts, tally)
         raise
-    yield from _jsonl_batch(f, batch, first, opts, counts, tally)
+    yield from _jsonl_chunk(f, chunk, lineno, opts, counts, tally)
+
+
+def _jsonl_chunk(
+    f: _File, chunk: list[bytes], before: int, opts: SourceOptions, counts: Counts, tally: list[int]
+) -> Iterator[Record]:
+    """The records of consecutive lines `before + 1`...: each run of usual lines (one object
+    from "{" to "}\\n", valid UTF-8) is one Arrow batch, every other line goes through
+    `_jsonl_rows` on its own, in its place. The batches do not change the records
+    (`_jsonl_batch` reads a batch as the lines would be read one by one), only how fast
+    they come."""
+    unusual = [
+        i
+        for i, raw in enumerate(chunk)
+        if not (raw.endswith(b"}\n") and raw.startswith(b"{") and (raw.isascii() or _utf8(raw)))
+    ]
+    if not unusual:  # the common case: one batch
+        yield from _jsonl_batch(f, chunk, before + 1, opts, counts, tally)
+        return
+    start = 0
+    for i in [*unusual, len(chunk)]:
+        yield from _jsonl_batch(f, chunk[start:i], before + 1 + start, opts, counts, tally)
+        if i < len(chunk):
+            yield from _jsonl_lines(f, [chunk[i]], before + 1 + i, opts, counts, tally)
+        start = i + 1
 
 
 def _utf8(raw: bytes) -> bool:
@@ -505,7 +520,9 @@ def _parse_batch(
         return None if col.null_count == len(col) else col.to_pylist()
 
     texts = table.column(opts.text_field).to_pylist()
-    return texts, column("prompt"), column("completion")
+    completions = column("completion")
+    # no completions: the prompts are never read (the records are plain text)
+    return texts, column("prompt") if completions is not None else None, completions
 
 
 def _text_rows(f: _File, stream: _Stream, opts: SourceOptions) -> Iterator[tuple[str, Row]]:
