@@ -63,7 +63,7 @@ def serve(name: str, version: str) -> ServeRequest:
         name,
         f"pvc://{WORKSPACE_PVC}/models/{version}",
         namespace=NS,
-        timeout_s=60.0,
+        timeout_s=180.0,  # each version is a `kubellm serve` start-up: ~12 s, 30+ s under load
         run_tag=f"run-{version}",
         version=version,
     )
@@ -73,7 +73,7 @@ def server(sim: SimCluster) -> InferenceServiceServer:
     return InferenceServiceServer(
         sim.api_client(),
         poll_interval_s=0.2,
-        traffic_timeout_s=30,
+        traffic_timeout_s=120,  # a rollback starts the previous version's server again
         service_url=sim.kserve.service_url,
     )
 

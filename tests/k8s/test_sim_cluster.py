@@ -388,19 +388,34 @@ def test_restart_policy_never_fails_the_job_on_a_failed_replica(sim: SimCluster)
     assert pod_names(sim) == ["never-master-0"]  # not retried, not deleted (cleanPodPolicy)
 
 
-def test_a_succeeded_job_counts_its_running_replicas_as_succeeded(sim: SimCluster) -> None:
-    """The master's success ends the job; a worker still running is counted succeeded."""
+def test_a_succeeded_job_counts_its_running_replicas_as_succeeded(
+    sim: SimCluster, tmp_path: Path
+) -> None:
+    """The master's success ends the job; a worker still running is counted succeeded.
+
+    The master waits for the worker to be up: a worker still Pending when the master ends is
+    counted nowhere (upstream converts only active replicas), which under load happened."""
     api = k8s.CustomObjectsApi(sim.api_client())
-    code = "import os, time; os.environ['PET_NODE_RANK'] == '0' or time.sleep(30)"
+    up = tmp_path / "worker-up"
+    code = (
+        f"import os, pathlib, time; up = pathlib.Path({str(up)!r})\n"
+        "if os.environ['PET_NODE_RANK'] == '0':\n"
+        "    end = time.time() + 60\n"
+        "    while not up.exists() and time.time() < end: time.sleep(0.1)\n"
+        "    time.sleep(1)  # the controller's next sync sees the worker Running\n"
+        "else:\n"
+        "    up.touch(); time.sleep(30)\n"
+    )
     api.create_namespaced_custom_object(*JOBS, pytorchjob("early", code, workers=1))
-    sim.wait_for(lambda: sim.condition("pytorchjobs", "early", "Succeeded"), 10, "Succeeded")
+    sim.wait_for(lambda: sim.condition("pytorchjobs", "early", "Succeeded"), 90, "Succeeded")
     statuses = sim.wait_for(
         lambda: (
             (s := sim.fake.get_object("pytorchjobs", "early")["status"]["replicaStatuses"])
             and "active" not in s["Worker"]
+            and "succeeded" in s["Worker"]
             and s
         ),
-        5,
+        15,  # under load the controller's next sync can come a few seconds later
         "the worker counted",
     )
     assert statuses["Worker"] == {
