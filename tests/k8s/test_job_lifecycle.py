@@ -871,8 +871,11 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is gone too
-        return f.read().split(") ")[-1][:1] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is gone too
+            return f.read().split(") ")[-1][:1] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # it ended and was reaped in between
+        return False
 
 
 # ---------------------------------------------------------------------- retries and queues
