@@ -298,14 +298,8 @@ class _Cleaner:
             counts.drop("repeated_lines", rec.where, "skip")
             return None
         key = _blake2b(raw, digest_size=16).digest()  # = _digest(raw)
-        if key in self.seen:
-            counts.drop("duplicate", rec.where, "skip")
+        if not self._unique(key, text, rec.where):
             return None
-        self.seen.add(key)
-        if self.near is not None and self.near.is_duplicate(text):
-            counts.drop("near_duplicate", rec.where, "skip")
-            return None
-        counts.kept += 1
         if rec.prompt is None or rec.completion is None:  # plain text (not rec.is_pair)
             if text is not rec.text:
                 rec = Record(text, rec.where, rec.prompt, rec.completion)
@@ -345,15 +339,22 @@ class _Cleaner:
             counts.drop("repeated_lines", rec.where, "skip")
             return None
         key = digest(rec.text)
-        if key in self.seen:
-            counts.drop("duplicate", rec.where, "skip")
+        if not self._unique(key, content, rec.where):
             return None
-        self.seen.add(key)
-        if self.near is not None and self.near.is_duplicate(content):
-            counts.drop("near_duplicate", rec.where, "skip")
-            return None
-        counts.kept += 1
         return rec, _is_val(key, p.val_fraction)
+
+    def _unique(self, key: bytes, text: str, where: str) -> bool:
+        """Kept (and counted) unless `key` was seen (duplicate) or `text` is near one seen
+        (near_duplicate, with near_dedup)."""
+        if key in self.seen:
+            self.counts.drop("duplicate", where, "skip")
+            return False
+        self.seen.add(key)
+        if self.near is not None and self.near.is_duplicate(text):
+            self.counts.drop("near_duplicate", where, "skip")
+            return False
+        self.counts.kept += 1
+        return True
 
 
 _Encoded = tuple[list[bool], list[Any], list[tuple[bool, ...]], list[Any]]
