@@ -24,7 +24,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kubellm.config import (
     ConfigError,
@@ -322,5 +322,13 @@ def _error_code(err: BaseException) -> int | None:
     return None
 
 
+def run() -> NoReturn:
+    """The `kubellm` console script: main(), then the end of the process without the
+    interpreter's teardown (kubellm/process.py). Tests call main() itself."""
+    from kubellm.process import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

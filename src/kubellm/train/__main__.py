@@ -8,8 +8,7 @@ CPU-only, on one machine (2 processes, gloo):
 The config is a TrainConfig (see kubellm/config.py); `--set` overrides one field.
 """
 
-import sys
-
+from kubellm.process import exit_now
 from kubellm.train.loop import main
 
-sys.exit(main())
+exit_now(main())  # without the interpreter's teardown (kubellm/process.py)

@@ -92,4 +92,6 @@ def _launch(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kubellm.process import exit_now
+
+    exit_now(main())  # without the interpreter's teardown (kubellm/process.py)

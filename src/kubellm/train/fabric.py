@@ -621,4 +621,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kubellm.process import exit_now
+
+    exit_now(main())  # without the interpreter's teardown (kubellm/process.py)
