@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kubellm.config import ChatLoss, DataFormat, OnError, Packing, Template, TextMode
@@ -53,8 +54,8 @@ from kubellm.data.packing import (
     is_masked,
     make_packer,
 )
-from kubellm.data.records import Counts, DataError, Record
-from kubellm.data.sources import SourceOptions, read_records, source_files
+from kubellm.data.records import Counts, DataError, Record, TextBatch
+from kubellm.data.sources import SourceOptions, read_batches, read_records, source_files
 from kubellm.data.templates import DEFAULT_CHAT_TEMPLATE, ChatFormat
 from kubellm.data.tokenizer import EOS, PAD, load_tokenizer, train_bpe
 
@@ -74,6 +75,7 @@ _blake2b = hashlib.blake2b
 _NOT_SYMBOL_BYTES = (string.ascii_letters + string.digits + string.whitespace).encode() + bytes(
     range(128, 256)
 )
+_FOLDING = "  |[\t\r\f\v]| \n|\n "  # RE2: a match where `_needs_folding` is true
 
 
 @dataclass
@@ -265,7 +267,7 @@ class _Cleaner:
 
     def keep(self, rec: Record) -> tuple[Record, bool] | None:
         """The cleaned record and whether it is held out, or None when it is dropped."""
-        p, counts = self.p, self.counts  # the reader has counted the record as read
+        p = self.p  # the reader has counted the record as read
         raw_in = rec.text.encode("utf-8", "surrogatepass")
         unhashed = self._unhashed
         unhashed.append(raw_in)
@@ -274,28 +276,11 @@ class _Cleaner:
         if rec.segments is not None:
             return self._keep_chat(rec)
         text = normalize(rec.text)
-        if not text:
-            counts.drop("empty", rec.where, p.on_error)
-            return None
-        if len(text) > p.max_chars:
-            detail = f"{len(text)} characters > max_chars={p.max_chars}"
-            counts.drop("too_long", rec.where, p.on_error, detail)
-            return None
-        if len(text) < p.min_chars:
-            counts.drop("too_short", rec.where, "skip")
-            return None
         # once, for the symbol count and the key (the raw bytes when normalizing changed nothing)
         raw = raw_in if text is rec.text else text.encode("utf-8", "surrogatepass")
-        if len(raw.translate(None, _NOT_SYMBOL_BYTES)) / max(len(text), 1) > p.max_symbol_ratio:
-            counts.drop("symbol_ratio", rec.where, "skip")
-            return None
-        if (
-            "\n" in text
-            # the ratio is at most 1 - 1/n for n non-empty lines, and n is at most this
-            and 1.0 - 1.0 / (text.count("\n") + 1 - text.count("\n\n")) > p.max_repeated_line_ratio
-            and repeated_line_ratio(text) > p.max_repeated_line_ratio
-        ):
-            counts.drop("repeated_lines", rec.where, "skip")
+        reason = self._filtered(text, raw)
+        if reason is not None:
+            self._drop(reason, text, rec.where)
             return None
         key = _blake2b(raw, digest_size=16).digest()  # = _digest(raw)
         if not self._unique(key, text, rec.where):
@@ -313,6 +298,69 @@ class _Cleaner:
         else:
             rec = Record(text, rec.where, rec.prompt, rec.completion)
         return rec, _is_val(key, p.val_fraction)
+
+    def keep_batch(self, batch: TextBatch) -> tuple[list[str], list[bool]]:
+        """`keep` of each record of `batch`, in order: the kept texts, normalized, and
+        whether each is held out. The same records, counts and fingerprint as `keep` one
+        record at a time; the per-record work that can be done once per batch is."""
+        p, counts, seen, near = self.p, self.counts, self.seen, self.near
+        raws = [t.encode("utf-8", "surrogatepass") for t in batch.texts]
+        self._unhashed.append(b"\0".join(raws))  # the same bytes as one item per record
+        self.fingerprint  # noqa: B018  (hashes the batch)
+        # `_needs_folding` of every text, as one regex pass in C++ over the batch
+        folding = pc.match_substring_regex(batch.column, _FOLDING).to_pylist()
+        texts: list[str] = []
+        keys: list[bytes] = []
+        for i, (orig, raw_in, fold) in enumerate(zip(batch.texts, raws, folding, strict=True)):
+            # = normalize(orig), its folding test done above
+            text = normalize(orig) if fold else (orig if orig.isascii() else _nfc(orig)).strip()
+            raw = raw_in if text is orig else text.encode("utf-8", "surrogatepass")
+            reason = self._filtered(text, raw)
+            if reason is not None:
+                self._drop(reason, text, batch.where(i))
+                continue
+            key = _blake2b(raw, digest_size=16).digest()  # = _digest(raw)
+            if key in seen:  # = self._unique(key, text, where), the where made only if needed
+                counts.drop("duplicate", batch.where(i), "skip")
+                continue
+            seen.add(key)
+            if near is not None and near.is_duplicate(text):
+                counts.drop("near_duplicate", batch.where(i), "skip")
+                continue
+            texts.append(text)
+            keys.append(key)
+        counts.kept += len(texts)
+        # = _is_val(key) of each key: its first 8 bytes as a big-endian integer
+        first8 = np.frombuffer(b"".join(keys), dtype=">u8")[::2]
+        held = first8 % 1_000_000 < p.val_fraction * 1_000_000
+        return texts, held.tolist()
+
+    def _filtered(self, text: str, raw: bytes) -> str | None:
+        """Why a cleaned plain text (`raw`: its UTF-8) is dropped, or None: the filters."""
+        p = self.p
+        if not text:
+            return "empty"
+        if len(text) > p.max_chars:
+            return "too_long"
+        if len(text) < p.min_chars:
+            return "too_short"
+        if len(raw.translate(None, _NOT_SYMBOL_BYTES)) / max(len(text), 1) > p.max_symbol_ratio:
+            return "symbol_ratio"
+        if (
+            "\n" in text
+            # the ratio is at most 1 - 1/n for n non-empty lines, and n is at most this
+            and 1.0 - 1.0 / (text.count("\n") + 1 - text.count("\n\n")) > p.max_repeated_line_ratio
+            and repeated_line_ratio(text) > p.max_repeated_line_ratio
+        ):
+            return "repeated_lines"
+        return None
+
+    def _drop(self, reason: str, text: str, where: str) -> None:
+        """Count a record `_filtered` drops (empty and too_long are bad input: strict mode
+        stops on them; counts.drop lets the other reasons through whatever on_error says)."""
+        p = self.p
+        detail = f"{len(text)} characters > max_chars={p.max_chars}" if reason == "too_long" else ""
+        self.counts.drop(reason, where, p.on_error, detail)
 
     def _keep_chat(self, rec: Record) -> tuple[Record, bool] | None:
         """A chat as its template rendered it: not normalized, since its whitespace and markup
@@ -361,7 +409,7 @@ _Encoded = tuple[list[bool], list[Any], list[tuple[bool, ...]], list[Any]]
 _PAIR = (False, True)  # a prompt, then its completion
 
 
-def _encode(tokenizer: Any, records: list[Record], mask_prompt: bool) -> _Encoded:
+def _encode(tokenizer: Any, records: list[Record | str], mask_prompt: bool) -> _Encoded:
     """The tokenizer's calls for `records`: (split, whole, flags, pieces) encodings.
 
     Records with a prompt are encoded in pieces when the prompt is masked, so each boundary
@@ -374,16 +422,18 @@ def _encode(tokenizer: Any, records: list[Record], mask_prompt: bool) -> _Encode
     backend = tokenizer.backend_tokenizer
     # encode_batch_fast: the same ids as encode_batch, without computing character offsets
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    split = [mask_prompt and r.is_pair for r in records]
+    split = [mask_prompt and not isinstance(r, str) and r.is_pair for r in records]
     if not any(split):
-        return split, encode([r.text for r in records], add_special_tokens=False), [], []
+        plain = [r if isinstance(r, str) else r.text for r in records]
+        return split, encode(plain, add_special_tokens=False), [], []
     whole = encode(
-        [r.text for r, s in zip(records, split, strict=True) if not s], add_special_tokens=False
+        [r if isinstance(r, str) else r.text for r, s in zip(records, split, strict=True) if not s],
+        add_special_tokens=False,
     )
     texts: list[str] = []
     flags: list[tuple[bool, ...]] = []
     for r, s in zip(records, split, strict=True):
-        if not s:
+        if not s or isinstance(r, str):
             continue
         if r.segments is None:
             texts += (r.prompt or "", r.completion or "")
@@ -502,7 +552,7 @@ def _arrow_strings(texts: list[str]) -> pa.Array:
 class _Split:
     packer: ConcatPacker | BestFitPacker
     writer: _ShardWriter
-    pending: list[Record]  # cleaned, not yet sent to the tokenizer
+    pending: list[Record | str]  # cleaned, not yet sent to the tokenizer (str: plain text)
     pending_chars: int = 0
     in_group: int = 0  # records since the last group ended
     group_rows: list[Rows] = field(default_factory=list)  # packed (concat), not yet written
@@ -666,26 +716,34 @@ def _prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
             while len(inflight) > _MAX_INFLIGHT:  # bounded memory: a few batches at a time
                 inflight.popleft().result()
 
-        for rec in read_records(p.source, p.source_options(chat), counts):
-            kept = cleaner.keep(rec)
-            if kept is None:
-                continue
-            rec, held_out = kept
-            split = splits["val" if held_out else "train"]
-            split.pending.append(rec)
-            split.pending_chars += len(rec.text)
+        def add(split: _Split, item: Record | str, chars: int) -> None:
+            """A kept record (plain text from a TextBatch: its text) into its split."""
+            split.pending.append(item)
+            split.pending_chars += chars
             split.in_group += 1
-            if held_out and rec.is_pair and len(examples) < MAX_EXAMPLES:
-                if chat is not None and rec.messages is not None:
-                    examples.append(chat.example(rec.messages))
-                else:
-                    examples.append(
-                        {"prompt": rec.prompt or "", "completion": rec.completion or ""}
-                    )
             if split.in_group >= p.batch_records:
                 submit(split, end=True)
             elif split.pending_chars >= _BATCH_CHARS:
                 submit(split, end=False)
+
+        train, val = splits["train"], splits["val"]
+        for item in read_batches(p.source, p.source_options(chat), counts):
+            if isinstance(item, TextBatch):
+                for text, held_out in zip(*cleaner.keep_batch(item), strict=True):
+                    add(val if held_out else train, text, len(text))
+            else:
+                kept = cleaner.keep(item)
+                if kept is None:
+                    continue
+                rec, held_out = kept
+                if held_out and rec.is_pair and len(examples) < MAX_EXAMPLES:
+                    if chat is not None and rec.messages is not None:
+                        examples.append(chat.example(rec.messages))
+                    else:
+                        examples.append(
+                            {"prompt": rec.prompt or "", "completion": rec.completion or ""}
+                        )
+                add(val if held_out else train, rec, len(rec.text))
             if p.progress_s and time.monotonic() - last_report > p.progress_s:
                 total_tokens = sum(s.tokens for s in splits.values())
                 print(_progress(counts, total_tokens, t0), file=sys.stderr, flush=True)

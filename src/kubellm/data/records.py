@@ -7,11 +7,13 @@ Nothing is dropped silently: each dropped record is counted under a reason, and 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kubellm.config import OnError
 
-__all__ = ["BAD_INPUT", "Counts", "DataError", "OnError", "Record"]
+__all__ = ["BAD_INPUT", "Counts", "DataError", "OnError", "Record", "TextBatch"]
 
 # Reasons that mean the input itself is broken (strict mode stops on them); the others are
 # filters (quality, length, duplicates) and always just count.
@@ -52,6 +54,25 @@ class Record:
     @property
     def is_pair(self) -> bool:
         return self.prompt is not None and self.completion is not None
+
+
+@dataclass
+class TextBatch:
+    """Plain-text records read together (consecutive lines of one JSONL file, in order):
+    the records `records()` makes, kept as columns so that per-record work can be done a
+    batch at a time. `column` holds the same texts as an Arrow string array (valid UTF-8:
+    no lone surrogates), `lines` each record's line number."""
+
+    texts: list[str]
+    column: Any  # pyarrow.StringArray, without nulls
+    name: str  # the file, as `Record.where` names it
+    lines: Sequence[int]
+
+    def where(self, i: int) -> str:
+        return f"{self.name}:{self.lines[i]}"
+
+    def records(self) -> list[Record]:
+        return [Record(t, self.where(i)) for i, t in enumerate(self.texts)]
 
 
 @dataclass

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from kubellm.config import DataFormat, OnError, Template, TextMode
-from kubellm.data.records import Counts, DataError, Record
+from kubellm.data.records import Counts, DataError, Record, TextBatch
 from kubellm.data.synthetic import arithmetic_records
 from kubellm.data.templates import ChatFormat, Segment, check_messages, prompt_response_messages
 
@@ -161,6 +161,16 @@ def read_records(source: str, opts: SourceOptions, counts: Counts) -> Iterator[R
     The whole source is resolved and every file's format checked before the first record is
     read, so a typo or a stray README fails in a second, not after hours of reading.
     """
+    for item in read_batches(source, opts, counts):
+        if isinstance(item, TextBatch):
+            yield from item.records()
+        else:
+            yield item
+
+
+def read_batches(source: str, opts: SourceOptions, counts: Counts) -> Iterator[Record | TextBatch]:
+    """`read_records`, with runs of plain-text JSONL records as one `TextBatch` each (the
+    same records, counted the same way, in the same order)."""
     plan: list[tuple[_File, Format, str | None] | None] = []  # None stands for synthetic
     for part in _parts(source):
         if part == SYNTHETIC:
@@ -277,7 +287,7 @@ def _synthetic(opts: SourceOptions, counts: Counts) -> Iterator[Record]:
 
 def _read_file(
     f: _File, fmt: Format, compression: str | None, opts: SourceOptions, counts: Counts
-) -> Iterator[Record]:
+) -> Iterator[Record | TextBatch]:
     """One file's records; a file that fails to open or read counts as one unreadable unit.
 
     Records yielded before a read error stay counted and kept: the error is reported where it
@@ -378,7 +388,7 @@ def _loads(line: str) -> Any:
 
 def _jsonl_records(
     f: _File, stream: _Stream, opts: SourceOptions, counts: Counts, tally: list[int]
-) -> Iterator[Record]:
+) -> Iterator[Record | TextBatch]:
     """Plain-text JSONL (template "none"): the records `_jsonl_rows` + `_to_record` make,
     counted the same way (`tally[0]`: rows read), with the usual lines parsed in batches.
 
@@ -406,7 +416,7 @@ def _jsonl_records(
 
 def _jsonl_chunk(
     f: _File, chunk: list[bytes], before: int, opts: SourceOptions, counts: Counts, tally: list[int]
-) -> Iterator[Record]:
+) -> Iterator[Record | TextBatch]:
     """The records of consecutive lines `before + 1`...: each run of usual lines (one object
     from "{" to "}\\n", valid UTF-8) is one Arrow batch, every other line goes through
     `_jsonl_rows` on its own, in its place. The batches do not change the records
@@ -450,26 +460,32 @@ def _jsonl_lines(
 
 def _jsonl_batch(
     f: _File, lines: list[bytes], first: int, opts: SourceOptions, counts: Counts, tally: list[int]
-) -> Iterator[Record]:
-    """The records of `lines` (usual lines, line `first` on): parsed by Arrow if it can."""
+) -> Iterator[Record | TextBatch]:
+    """The records of `lines` (usual lines, line `first` on): parsed by Arrow if it can.
+    Plain text comes as TextBatches: each run of lines with a text is one."""
     if not lines:
         return
     columns = _parse_batch(lines, opts)
     if columns is None:  # something Arrow refuses (a number as text...): one by one
         yield from _jsonl_lines(f, lines, first, opts, counts, tally)
         return
-    texts, prompts, completions = columns
+    texts, prompts, completions, column = columns
     name, on_error, field = f.name, opts.on_error, opts.text_field
     tally[0] += len(texts)
     counts.read += len(texts)
     # Arrow's strings are valid UTF-8 (no lone surrogates): _to_record's check cannot fire
     if prompts is None or completions is None:  # no pairs in the batch: plain text
-        for lineno, text in enumerate(texts, first):
-            if text is None:
-                where = f"{name}:{lineno}"
+        # the lines without a text are dropped in their place, between the batches
+        missing = [i for i, t in enumerate(texts) if t is None] if column.null_count else []
+        start = 0
+        for i in [*missing, len(texts)]:
+            if i > start:
+                run = range(first + start, first + i)
+                yield TextBatch(texts[start:i], column.slice(start, i - start), name, run)
+            if i < len(texts):
+                where = f"{name}:{first + i}"
                 counts.drop("missing_text", where, on_error, _not_string(field, None))
-                continue
-            yield Record(text, f"{name}:{lineno}")
+            start = i + 1
         return
     for lineno, text, prompt, completion in zip(
         range(first, first + len(texts)), texts, prompts, completions, strict=True
@@ -488,8 +504,9 @@ _BATCH_PARSE: dict[tuple[str, ...], pj.ParseOptions] = {}
 
 def _parse_batch(
     lines: list[bytes], opts: SourceOptions
-) -> tuple[list[Any], list[Any] | None, list[Any] | None] | None:
-    """(texts, prompts, completions) of usual JSONL lines, or None to read them one by one.
+) -> tuple[list[Any], list[Any] | None, list[Any] | None, pa.Array] | None:
+    """(texts, prompts, completions, the texts' Arrow array) of usual JSONL lines, or None
+    to read them one by one.
 
     Each line is one object from "{" to "}\\n" and valid UTF-8 (Arrow does not check the
     fields it skips). Arrow is trusted where it reads the batch without error (it refuses
@@ -519,10 +536,12 @@ def _parse_batch(
         col = table.column(name)
         return None if col.null_count == len(col) else col.to_pylist()
 
-    texts = table.column(opts.text_field).to_pylist()
+    chunks = table.column(opts.text_field).chunks
+    text_column = chunks[0] if len(chunks) == 1 else pa.concat_arrays(chunks)
     completions = column("completion")
     # no completions: the prompts are never read (the records are plain text)
-    return texts, column("prompt") if completions is not None else None, completions
+    prompts = column("prompt") if completions is not None else None
+    return text_column.to_pylist(), prompts, completions, text_column
 
 
 def _text_rows(f: _File, stream: _Stream, opts: SourceOptions) -> Iterator[tuple[str, Row]]:
