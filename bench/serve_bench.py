@@ -6,7 +6,8 @@ kubellm.data.synthetic), max_tokens 8, greedy, the same torch threads on every s
 bench calls torch.set_num_threads; each server process gets OMP_NUM_THREADS, which torch
 reads at start-up: the server has no threads flag):
 
-1. Latency, one client, sequential requests, interleaved rounds (the order rotates):
+1. Latency, one client, sequential requests; in each round the contenders take turns of
+   SLICE (10) requests, the order rotating every turn, so noise falls on all alike:
    - the server's OpenAI completions route over HTTP on loopback (a keep-alive connection);
    - in-process, the server's own engine: `BatchEngine.generate_sync`, a batch of one (the
      like-for-like peer; target: server p50 <= 1.1 x it, p99 <= 1.2 x);
@@ -41,7 +42,6 @@ import http.client
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -386,7 +386,6 @@ class Block:
     wall_s: float
     answers: dict[str, str]
     tokens: list[int]
-    handler_s: list[float] = dataclasses.field(default_factory=list)  # the server's own
 
     @property
     def rps(self) -> float:
@@ -399,25 +398,15 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
-# kserve's timing middleware, one line per request: the ASGI app's wall time in seconds
-TRACE = re.compile(r"kserve\.trace:(\S+): ([0-9.eE+-]+) \[.*'time:wall'\]")
-
-
-def handler_times(server: Server, start: int) -> list[float]:
-    """The server's own wall time per request logged since byte `start` (kserve's trace
-    lines; empty when it logs none)."""
-    with open(server.log, "rb") as f:
-        f.seek(start)
-        text = f.read().decode(errors="replace")
-    return [float(m.group(2)) for m in TRACE.finditer(text)]
-
-
-def sequential(name: str, call: Call, prompts: list[str], n: int, warmup: int, rnd: int) -> Block:
+def sequential(
+    name: str, call: Call, prompts: list[str], n: int, warmup: int, rnd: int, first: int = 0
+) -> Block:
+    """`n` requests one after the other (after `warmup` untimed), prompts from `first` on."""
     for i in range(warmup):
         call(prompts[-1 - i % len(prompts)])
     latencies, answers, tokens = [], {}, []
     t0 = time.perf_counter()
-    for i in range(n):
+    for i in range(first, first + n):
         prompt = prompts[i % len(prompts)]
         t = time.perf_counter()
         text, count = call(prompt)
@@ -490,33 +479,45 @@ def rotate(items: tuple[str, ...], k: int) -> list[str]:
     return list(items[k:] + items[:k])
 
 
+SLICE = 10  # latency: requests a contender sends in one turn
+
+
 def measure_latency(
     setup: Setup, inproc: InProcess, server: Server, prompts: list[str]
 ) -> list[Block]:
+    """Per round, the contenders take turns of SLICE requests each (the order rotates every
+    turn), each turn after one untimed request: every contender meets the machine as it is
+    in the same few seconds, so a slow patch of this shared machine falls on all of them
+    alike rather than on whoever held the round's block then."""
+    in_process: dict[str, Call] = {
+        "engine": inproc.engine_call("engine"),
+        "engine_nowait": inproc.engine_call("engine_nowait"),
+        "complete": inproc.complete_call,
+    }
     blocks = []
     for rnd in range(setup.rounds):
-        for name in rotate(LATENCY, rnd):
-            client = Client(server.port, setup.max_tokens) if name.startswith("server") else None
-            calls: dict[str, Call] = {
-                "engine": inproc.engine_call("engine"),
-                "engine_nowait": inproc.engine_call("engine_nowait"),
-                "complete": inproc.complete_call,
-            }
-            if client is not None:
-                calls = {"server_openai": client.openai, "server_v1": client.v1}
-            offset = 0
-            try:
-                call = calls[name]
+        openai, v1 = Client(server.port, setup.max_tokens), Client(server.port, setup.max_tokens)
+        calls = {**in_process, "server_openai": openai.openai, "server_v1": v1.v1}
+        parts: dict[str, list[Block]] = {name: [] for name in LATENCY}
+        try:
+            for name in LATENCY:
                 for i in range(setup.warmup):
-                    call(prompts[-1 - i % len(prompts)])
-                offset = server.log_size()
-                block = sequential(name, call, prompts, setup.requests, 0, rnd)
-            finally:
-                if client is not None:
-                    client.close()
-            if client is not None:
-                time.sleep(0.2)  # the trace line of the last request follows its response
-                block.handler_s = handler_times(server, offset)[: setup.requests]
+                    calls[name](prompts[-1 - i % len(prompts)])
+            for turn, first in enumerate(range(0, setup.requests, SLICE)):
+                n = min(SLICE, setup.requests - first)
+                for name in rotate(LATENCY, rnd + turn):
+                    calls[name](prompts[-1 - turn % len(prompts)])  # the first after a switch
+                    parts[name].append(sequential(name, calls[name], prompts, n, 0, rnd, first))
+        finally:
+            openai.close()
+            v1.close()
+        for name in LATENCY:
+            block = Block(name, rnd, [], 0.0, {}, [])
+            for part in parts[name]:
+                block.latencies += part.latencies
+                block.wall_s += part.wall_s
+                block.answers.update(part.answers)
+                block.tokens += part.tokens
             blocks.append(block)
             print(_latency_line(block), flush=True)
     return blocks
@@ -618,7 +619,6 @@ def latency_figures(blocks: list[Block]) -> dict[str, dict[str, Any]]:
     for name in LATENCY:
         mine = [b for b in blocks if b.contender == name]
         lat = [x for b in mine for x in b.latencies]
-        handler = [x for b in mine for x in b.handler_s]
         tokens = [x for b in mine for x in b.tokens]
         out[name] = {
             "requests": len(lat),
@@ -628,8 +628,6 @@ def latency_figures(blocks: list[Block]) -> dict[str, dict[str, Any]]:
             "mean_ms": statistics.fmean(lat) * 1e3,
             "round_p50_ms": [percentile(b.latencies, 50) * 1e3 for b in mine],
             "round_p99_ms": [percentile(b.latencies, 99) * 1e3 for b in mine],
-            "handler_p50_ms": percentile(handler, 50) * 1e3 if handler else None,
-            "handler_requests": len(handler),
             "tokens_per_request": statistics.fmean(tokens) if tokens else None,
         }
     return out
@@ -805,7 +803,6 @@ def report(
     ]
     errors = "".join(f"\n- error: {e['error']} ({e['occurrences']}x)" for e in loc["errors"])
 
-    handler = so["handler_p50_ms"]
     eng, eng0 = lat["engine"]["p50_ms"], lat["engine_nowait"]["p50_ms"]
     wait = engine_options(setup.max_batch, setup.max_wait_ms).max_wait_ms
     waits = (
@@ -833,18 +830,7 @@ def report(
             "same wait (the per-round p50s show it); `--max-wait-ms 0` runs the servers and "
             "the in-process engine without it."
         )
-    if handler is not None:
-        breakdown = (
-            f"Where the server's time goes (p50s, OpenAI route, one client): the client sees "
-            f"{so['p50_ms']:.2f} ms; kserve's timing middleware logs {handler:.2f} ms for the "
-            f"ASGI app (request parsing, the route, the engine, the response; "
-            f"{so['handler_requests']} trace lines), so {so['p50_ms'] - handler:.2f} ms is "
-            f"uvicorn's HTTP handling, the loopback and this client; the app's {handler:.2f} ms "
-            f"is {handler - eng:+.2f} ms over the in-process engine with the same options and "
-            f"{handler - eng0:+.2f} ms over it without the wait. {waits}"
-        )
-    else:
-        breakdown = f"The server logged no kserve trace lines, so no per-layer breakdown. {waits}"
+    breakdown = waits
     a_eng, n_eng = agree["openai_vs_engine"]
     a_v1, n_v1 = agree["v1_vs_complete"]
     machine = "\n".join(f"| {k} | {v} |" for k, v in info.items())
@@ -864,8 +850,10 @@ Issues 12's and 20's targets, measured in one run on this machine ({info["nproc"
 {table}
 
 Latency: {setup.requests} sequential requests per contender per round, {setup.rounds}
-interleaved round(s) (the order of the {len(LATENCY)} contenders rotates), percentiles over
-all of them (nearest rank); "per round" is the same ratio within each round. Throughput: the
+round(s); within a round the {len(LATENCY)} contenders take turns of {SLICE} requests (the order
+rotates every turn; one untimed request opens each turn), so each meets the machine of the
+same seconds; percentiles over all of them (nearest rank); "per round" is the same ratio
+within each round. Throughput: the
 median over the rounds of requests/s, {setup.throughput_requests} requests per block. The
 machine is shared: load average {loads[0]} at the start, {loads[1]} at the end.
 

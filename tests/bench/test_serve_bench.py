@@ -98,9 +98,6 @@ def test_quick_serve_bench_reports_every_figure(bench_runs: BenchRuns) -> None:
     same, total = data["agreement"]["openai_vs_engine"]
     assert same == total == 30
     # kserve's timing lines, one per request while the server logs them at INFO
-    if lat["server_openai"]["handler_requests"]:
-        assert lat["server_openai"]["handler_requests"] == 30
-        assert 0 < lat["server_openai"]["handler_p50_ms"] <= lat["server_openai"]["p50_ms"]
 
     throughput = {row[0]: row for row in _table(md, "setting")}
     assert set(throughput) == set(THROUGHPUT_ROWS)
