@@ -27,6 +27,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from bench.peers import SETUP_PREFIX, optimizer_settings, weights_hash
+from kubellm.process import FULL_EXIT_ENV
 
 
 def main() -> int:
@@ -54,6 +55,9 @@ def main() -> int:
     torch.optim.Optimizer.__init__ = record_optimizer  # type: ignore[method-assign]
     hook = torch.nn.modules.module.register_module_forward_pre_hook(record_model)
     sys.argv = ["kubellm.train", "--config", args.config, "--set", "steps=1"]
+    # kubellm.train's __main__ ends the process itself (kubellm.process.exit_now) unless
+    # told to exit the usual way: then its end is a SystemExit caught here
+    os.environ[FULL_EXIT_ENV] = "1"
     try:
         runpy.run_module("kubellm.train", run_name="__main__", alter_sys=True)
     except SystemExit as stop:

@@ -732,6 +732,13 @@ class FakeK8s(LoopbackFake):
             self._drop_clean = clean
             self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Serve no request while inside: the changes made here land as one step (a client
+        that reconnects meanwhile is answered after all of them)."""
+        with self._cond:
+            yield
+
     def compact(self) -> None:
         """Forget the watch history, as etcd compaction does: a watch from any
         resourceVersion before now gets 410 Expired."""

@@ -619,9 +619,10 @@ def test_an_expired_resource_version_lists_again(
         operator.created()
         operator.start()
         if echo.wait_for(f"pytorchjob/{NAME}: Running"):
-            fake_k8s.drop_watches()
-            operator.finish()
-            fake_k8s.compact()  # the events since the client's version are gone: 410
+            with fake_k8s.held():  # the client's new watch comes after all three
+                fake_k8s.drop_watches()
+                operator.finish()
+                fake_k8s.compact()  # the events since the client's version are gone: 410
 
     play(story)
     outcome = run(fake_k8s, echo, poll_s=0.5)

@@ -173,7 +173,7 @@ def test_launcher_exit_codes() -> None:
     assert exit_code([4], 4) == 4  # the fabric check: bus bandwidth too low
 
 
-def test_a_truncated_shard_fails_every_rank_with_one_line_and_exit_2(
+def test_a_truncated_shard_fails_the_job_with_one_line_and_exit_2(
     tiny_dataset: Path, tmp_path: Path
 ) -> None:
     """The shard is checked against the manifest's SHA-256 before the process group starts:
@@ -189,7 +189,10 @@ def test_a_truncated_shard_fails_every_rank_with_one_line_and_exit_2(
     proc = Launch(write_config(tmp_path / "c.json", cfg), env=env)
     assert proc.finish() == 2, proc.logs[-3000:]
     errors = [line for line in proc.logs.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2, proc.logs[-3000:]  # one line from each rank
+    # each rank checks its shard and exits 2 with the line; the first to exit ends the job,
+    # and torchrun stops the other, which may not have printed yet (kubellm.process.exit_now
+    # ends a rank at once), so one or two lines
+    assert 1 <= len(errors) <= 2, proc.logs[-3000:]
     assert all(f"train/{shard.name}: sha256" in e and "manifest" in e for e in errors), errors
     assert "Traceback" not in proc.logs, proc.logs[-3000:]
 
