@@ -303,7 +303,7 @@ class _Cleaner:
         """`keep` of each record of `batch`, in order: the kept texts, normalized, and
         whether each is held out. The same records, counts and fingerprint as `keep` one
         record at a time; the per-record work that can be done once per batch is."""
-        p, counts, seen, near = self.p, self.counts, self.seen, self.near
+        p, counts = self.p, self.counts
         raws = [t.encode("utf-8", "surrogatepass") for t in batch.texts]
         self._unhashed.append(b"\0".join(raws))  # the same bytes as one item per record
         self.fingerprint  # noqa: B018  (hashes the batch)
@@ -320,12 +320,9 @@ class _Cleaner:
                 self._drop(reason, text, batch.where(i))
                 continue
             key = _blake2b(raw, digest_size=16).digest()  # = _digest(raw)
-            if key in seen:  # = self._unique(key, text, where), the where made only if needed
-                counts.drop("duplicate", batch.where(i), "skip")
-                continue
-            seen.add(key)
-            if near is not None and near.is_duplicate(text):
-                counts.drop("near_duplicate", batch.where(i), "skip")
+            seen_as = self._seen_as(key, text)
+            if seen_as is not None:  # the where is made only for a drop
+                counts.drop(seen_as, batch.where(i), "skip")
                 continue
             texts.append(text)
             keys.append(key)
@@ -392,17 +389,23 @@ class _Cleaner:
         return rec, _is_val(key, p.val_fraction)
 
     def _unique(self, key: bytes, text: str, where: str) -> bool:
-        """Kept (and counted) unless `key` was seen (duplicate) or `text` is near one seen
-        (near_duplicate, with near_dedup)."""
-        if key in self.seen:
-            self.counts.drop("duplicate", where, "skip")
-            return False
-        self.seen.add(key)
-        if self.near is not None and self.near.is_duplicate(text):
-            self.counts.drop("near_duplicate", where, "skip")
+        """Kept (and counted) unless `_seen_as` says it is a duplicate (counted dropped)."""
+        seen_as = self._seen_as(key, text)
+        if seen_as is not None:
+            self.counts.drop(seen_as, where, "skip")
             return False
         self.counts.kept += 1
         return True
+
+    def _seen_as(self, key: bytes, text: str) -> str | None:
+        """`duplicate` if `key` was seen, `near_duplicate` if `text` is near one seen (with
+        near_dedup), else None, and the record is remembered as seen."""
+        if key in self.seen:
+            return "duplicate"
+        self.seen.add(key)
+        if self.near is not None and self.near.is_duplicate(text):
+            return "near_duplicate"
+        return None
 
 
 _Encoded = tuple[list[bool], list[Any], list[tuple[bool, ...]], list[Any]]
