@@ -21,6 +21,13 @@ that reports leaks at teardown needs it).
 
 Only entry points call it (`__main__` blocks, the console script), never a function a test
 or a library imports and calls.
+
+A pipeline step's entry point is KFP's (`python -m kfp.dsl.executor_main`, which calls the
+component's function and then writes the step's outputs). `end_kfp_step_fast` gives such a
+process the same exit once its stage has succeeded: an atexit handler that, when the
+interpreter starts to exit (the threads already joined), runs the other handlers, flushes,
+and ends the process, with status 1 if an exception reached the top (KFP's writing of the
+outputs failed) and 0 otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import threading
 from typing import NoReturn
 
 FULL_EXIT_ENV = "KUBELLM_FULL_EXIT"
+KFP_EXECUTOR = "kfp.dsl.executor_main"  # the module a KFP step's command runs
 
 
 def exit_code(code: str | int | None) -> int:
@@ -46,17 +54,46 @@ def exit_code(code: str | int | None) -> int:
     return 1
 
 
+def _full_exit() -> bool:
+    return os.environ.get(FULL_EXIT_ENV, "") not in ("", "0")
+
+
 def exit_now(code: str | int | None = 0) -> NoReturn:
     """End the process with `code` (as `sys.exit` takes it) after steps 1-3 above."""
-    if os.environ.get(FULL_EXIT_ENV, "") not in ("", "0"):
+    if _full_exit():
         sys.exit(code)
     status = exit_code(code)
     _wait_for_threads()
+    _finish(status)
+
+
+def _finish(status: int) -> NoReturn:
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):  # closed, or None
             stream.flush()
     os._exit(status)
+
+
+def end_kfp_step_fast() -> bool:
+    """In a process that KFP's executor runs (its `__main__` is kfp.dsl.executor_main),
+    end it without the teardown when the interpreter exits; anywhere else (a test, the CLI,
+    a notebook) do nothing. Call it once the step's work has succeeded: an exit the step
+    asks for with `sys.exit(n)` afterwards would end with 0. Returns whether it is set."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if _full_exit() or getattr(spec, "name", None) != KFP_EXECUTOR:
+        return False
+    atexit.unregister(_step_ends)  # once, however many stages the step finished
+    atexit.register(_step_ends)
+    return True
+
+
+def _step_ends() -> NoReturn:
+    """An atexit handler (registered last, so called first): the others, then os._exit."""
+    atexit.unregister(_step_ends)  # _finish runs the remaining handlers, not this one again
+    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    _finish(1 if uncaught is not None else 0)
 
 
 def _wait_for_threads() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kubellm.data.prepare import prepare
+from kubellm.process import end_kfp_step_fast
 from kubellm.stages.configs import spec_params
 from kubellm.stages.context import StageResult, markdown_table
 
@@ -91,4 +92,5 @@ def run(spec: str, out_dir: str | Path) -> Result:
     )
     seconds = time.monotonic() - t0
     print(f"kubellm: prepare_data done in {seconds:.1f}s: {result.headline}", flush=True)
+    end_kfp_step_fast()  # as StageContext.finish does
     return result

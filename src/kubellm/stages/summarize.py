@@ -21,6 +21,7 @@ from typing import Any
 
 from kubellm import backends
 from kubellm.config import PipelineConfig, pipeline_config
+from kubellm.process import end_kfp_step_fast
 from kubellm.stages.context import StageResult, fmt, open_tracker
 from kubellm.stages.record_data import TAG_UNCHANGED
 from kubellm.tracking import TAG_FINGERPRINT, TAG_STAGE, Tracker
@@ -241,4 +242,5 @@ def run(params: dict[str, Any], kfp_run_id: str, state: str, error: str = "") ->
         tracker.finish_parent(parent, result == SUCCEEDED)
     text = build_summary(tracker, parent, state, chosen.tracking.ui_hint, cfg.model_name, error)
     print(text, flush=True)
+    end_kfp_step_fast()  # as StageContext.finish does
     return Result(report=text, headline=result, state=result)
