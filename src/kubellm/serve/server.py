@@ -172,23 +172,31 @@ class BodyLimit:
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
-    """`work`'s result; cancelled (None) if the client disconnects first, so a request nobody
-    waits for stops decoding (its rows are freed)."""
-    task = asyncio.ensure_future(work)
+    """`work`'s result; None if the client disconnects first: a watch task then cancels this
+    task, so `work` (the engine's rows) is cancelled and a request nobody waits for stops
+    decoding. `work` runs in the caller's task, not a task of its own: its result needs no
+    extra turns of the event loop to reach the response."""
+    current = asyncio.current_task()
+    assert current is not None
+    gone = False
 
-    async def disconnected() -> None:
+    async def watch() -> None:
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        current.cancel()
 
-    watch = asyncio.ensure_future(disconnected())
+    watcher = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if not task.done():
-        task.cancel()
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from outside (the server stopping): not ours to swallow
+        current.uncancel()
         return None
-    return task.result()
+    finally:
+        watcher.cancel()
 
 
 def openai_routes(models: Mapping[str, CausalLMModel]) -> list[Route]:
