@@ -13,6 +13,7 @@ def preflight(
     platform: str,
     seed: int,
     data_source: str,
+    allow_http_sources: bool,
     data_format: str,
     text_field: str,
     template: str,

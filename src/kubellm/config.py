@@ -338,6 +338,12 @@ class PipelineConfig(_Strict):
         "synthetic",
         description="'synthetic' (built-in arithmetic Q/A) or a path/glob of JSONL files.",
     )
+    allow_http_sources: bool = Field(
+        False,
+        description="Let data_source and eval_data be http(s):// or hf:// URLs, which the "
+        "step's pod fetches (and so could reach the cluster's own services); local paths and "
+        "s3/gs/abfs are always accepted, system paths (/proc, /var/run/secrets, ...) never.",
+    )
     data_format: DataFormat = Field(
         "auto", description="Source format; auto goes by file extension (.jsonl[.gz|.zst], ...)."
     )

@@ -70,6 +70,7 @@ OPERATIONAL_FIELDS = frozenset(
         "pipeline_version",  # the compiled YAML; the code is kubellm's version, below
         "model_name",
         "experiment_name",
+        "allow_http_sources",  # what a source may be, not what it holds (the data's digest)
         "mlflow_tracking_uri",
         "runs_dir",
         "namespace",

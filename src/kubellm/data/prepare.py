@@ -24,6 +24,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import os
 import string
 import sys
 import time
@@ -42,6 +43,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from kubellm.config import ChatLoss, DataFormat, OnError, Packing, Template, TextMode
+from kubellm.data.access import check_local
 from kubellm.data.artifact import MANIFEST, data_fingerprint
 from kubellm.data.minhash import NearDuplicates
 from kubellm.data.packing import (
@@ -55,7 +57,13 @@ from kubellm.data.packing import (
     make_packer,
 )
 from kubellm.data.records import Counts, DataError, Record, TextBatch
-from kubellm.data.sources import SourceOptions, read_batches, read_records, source_files
+from kubellm.data.sources import (
+    SourceOptions,
+    check_parts,
+    read_batches,
+    read_records,
+    source_files,
+)
 from kubellm.data.templates import DEFAULT_CHAT_TEMPLATE, ChatFormat
 from kubellm.data.tokenizer import EOS, PAD, load_tokenizer, train_bpe
 
@@ -105,6 +113,7 @@ class PrepareParams:
     shard_rows: int = 65_536
     batch_records: int = 1024
     on_error: OnError = "skip"
+    allow_http: bool = False  # http(s):// and hf:// sources (kubellm.data.access)
     progress_s: float = 10.0
 
     def source_options(self, chat: ChatFormat | None = None) -> SourceOptions:
@@ -116,6 +125,7 @@ class PrepareParams:
             text_mode=self.text_mode,
             template=self.template,
             on_error=self.on_error,
+            allow_http=self.allow_http,
             num_records=self.num_records,
             seed=self.seed,
             chat=chat if chat is not None or self.template == "none" else self.default_chat(),
@@ -619,6 +629,9 @@ def _prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
     if p.packing not in ("concat", "best_fit"):
         raise DataError(f"packing={p.packing!r}: allowed 'concat', 'best_fit'")
     t0 = time.monotonic()
+    check_parts(p.source, p.allow_http)  # before anything is written
+    if p.tokenizer and os.path.exists(p.tokenizer):  # a folder, not a hub name
+        check_local(p.tokenizer, "tokenizer")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if p.tokenizer:
@@ -757,7 +770,7 @@ def _prepare(params: PrepareParams, out_dir: str | Path) -> dict[str, Any]:
             inflight.popleft().result()
 
     counts.assert_reconciled()
-    files = source_files(p.source)
+    files = source_files(p.source, p.allow_http)
     shards: list[dict[str, Any]] = []
     for name, split in splits.items():
         shards += split.writer.close()

@@ -13,7 +13,8 @@ Sources, comma-separated when there are several:
     data/train.jsonl                  a file
     'data/*.jsonl.zst'                a glob (also inside URIs: 's3://bucket/c4/*.jsonl.gz')
     data/corpus/                      a directory: every file under it, recursively, sorted
-    memory://x.parquet, gs://..., hf://datasets/...   any fsspec filesystem
+    s3://..., gs://..., abfs://..., memory://x.parquet  an object store (s3fs, gcsfs, adlfs)
+    https://..., hf://datasets/...    only with allow_http_sources=true (kubellm.data.access)
 
 Formats by extension (or forced with `SourceOptions.format`): .jsonl/.json/.ndjson (optionally
 .gz or .zst), .parquet, .txt (optionally .gz or .zst; a document per file or per line), and a
@@ -40,6 +41,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from kubellm.config import DataFormat, OnError, Template, TextMode
+from kubellm.data.access import check_local, check_source
 from kubellm.data.records import Counts, DataError, Record, TextBatch
 from kubellm.data.synthetic import arithmetic_records
 from kubellm.data.templates import ChatFormat, Segment, check_messages, prompt_response_messages
@@ -92,6 +94,7 @@ class SourceOptions:
     # kubellm.data.templates); None: the default format with the byte-level BPE's EOS
     chat: ChatFormat | None = None
     on_error: OnError = "skip"
+    allow_http: bool = False  # http(s):// and hf:// sources (kubellm.data.access)
     num_records: int = 20000  # synthetic only
     seed: int = 0  # synthetic only
 
@@ -110,12 +113,14 @@ class _File:
     name: str  # what users see in errors and the file list: their URI form or a local path
 
 
-def source_files(source: str) -> list[str]:
+def source_files(source: str, allow_http: bool = False) -> list[str]:
     """The files `source` resolves to, in reading order (for the fingerprint and for errors).
 
-    `synthetic` contributes no file. Raises DataError for a part that matches no file.
+    `synthetic` contributes no file. Raises DataError for a part that matches no file, or
+    names what a source may not (kubellm.data.access; http(s) and hf only with allow_http).
     """
-    return [f.name for part in _parts(source) if part != SYNTHETIC for f in _resolve(part)]
+    parts = [p for p in _parts(source) if p != SYNTHETIC]
+    return [f.name for part in parts for f in _resolve(part, allow_http)]
 
 
 # What a filesystem's `info` says about a file's version: size plus whichever of these it
@@ -135,7 +140,16 @@ _VERSION_KEYS = (
 )
 
 
-def source_stamp(source: str) -> list[dict[str, str]]:
+def check_parts(source: str, allow_http: bool = False) -> None:
+    """Refuse, before anything is listed or read, a part of `source` that names what a
+    source may not (kubellm.data.access); what the parts resolve to is checked again when
+    they are resolved."""
+    for part in _parts(source):
+        if part != SYNTHETIC:
+            check_source(part, "data_source", allow_http)
+
+
+def source_stamp(source: str, allow_http: bool = False) -> list[dict[str, str]]:
     """Every file of `source` with its version as its filesystem reports it (size and
     mtime, ETag or generation), without reading any data: cheap enough for preflight, and
     different as soon as a file is replaced, grown or added under the same URI. This is what
@@ -148,7 +162,7 @@ def source_stamp(source: str) -> list[dict[str, str]]:
         if part == SYNTHETIC:
             stamp.append({"file": SYNTHETIC})
             continue
-        for f in _resolve(part):
+        for f in _resolve(part, allow_http):
             info = f.fs.info(f.path)
             version = {k: str(info[k]) for k in _VERSION_KEYS if info.get(k) is not None}
             stamp.append({"file": f.name, **version})
@@ -176,7 +190,7 @@ def read_batches(source: str, opts: SourceOptions, counts: Counts) -> Iterator[R
         if part == SYNTHETIC:
             plan.append(None)
             continue
-        plan += [(f, *_format_of(f, opts.format)) for f in _resolve(part)]
+        plan += [(f, *_format_of(f, opts.format)) for f in _resolve(part, opts.allow_http)]
     for item in plan:
         if item is None:
             yield from _synthetic(opts, counts)
@@ -194,8 +208,10 @@ def _parts(source: str) -> list[str]:
     return parts
 
 
-def _resolve(part: str) -> list[_File]:
-    """Files of one source part: a file, a glob, or a directory walked recursively."""
+def _resolve(part: str, allow_http: bool = False) -> list[_File]:
+    """Files of one source part: a file, a glob, or a directory walked recursively; the part
+    and every local file it finds checked against what a source may name (access.py)."""
+    local = check_source(part, "data_source", allow_http) is None
     fs, path = fsspec.core.url_to_fs(part)
     uri = "://" in part or "::" in part
     relative = not uri and not os.path.isabs(part)
@@ -218,6 +234,9 @@ def _resolve(part: str) -> list[_File]:
     paths = list(dict.fromkeys(paths))
     if not paths:
         raise DataError(f"data source {part!r} matches no file")
+    if local:
+        for p in paths:  # a link in a data folder may point anywhere
+            check_local(p, "data_source")
     return [_File(fs, p, name(p)) for p in paths]
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import fsspec
 
+from kubellm.data.access import check_source
 from kubellm.data.records import DataError
 from kubellm.data.templates import ChatFormat, check_messages
 
@@ -41,7 +42,7 @@ def _field(row: dict[str, Any], keys: tuple[str, ...], where: str) -> str:
 
 
 def load_task(
-    uri: str, limit: int | None = None, chat: ChatFormat | None = None
+    uri: str, limit: int | None = None, chat: ChatFormat | None = None, allow_http: bool = False
 ) -> list[dict[str, str]]:
     """The prompt/completion pairs of a JSONL task file, in file order (at most `limit`).
 
@@ -51,6 +52,7 @@ def load_task(
     other line is an error naming the file and line: a task silently shrunk by bad lines
     would gate on fewer examples than the user thinks.
     """
+    check_source(uri, "eval_data", allow_http)  # kubellm.data.access: what it may name
     examples: list[dict[str, str]] = []
     try:
         with fsspec.open(uri, "rt", compression="infer", encoding="utf-8") as fh:

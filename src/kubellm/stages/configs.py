@@ -29,6 +29,7 @@ def prepare_params(cfg: PipelineConfig) -> PrepareParams:
         packing=cfg.packing,
         near_dedup=cfg.near_dedup,
         on_error=cfg.on_error,
+        allow_http=cfg.allow_http_sources,
         mask_prompt=cfg.mask_prompt,
         num_records=cfg.num_records,
         seed=cfg.seed,
@@ -45,7 +46,7 @@ def data_spec(cfg: PipelineConfig) -> str:
     new files at the same URI make a new key. Nothing run-specific (no run id, no
     training setting) belongs here, or nothing would ever be reused."""
     params = asdict(prepare_params(cfg))
-    spec = {"params": params, "source_stamp": source_stamp(cfg.data_source)}
+    spec = {"params": params, "source_stamp": source_stamp(cfg.data_source, cfg.allow_http_sources)}
     if params["tokenizer"] and Path(params["tokenizer"]).exists():  # a local tokenizer folder
         spec["tokenizer_stamp"] = source_stamp(params["tokenizer"])
     return json.dumps(spec, sort_keys=True)

@@ -163,7 +163,11 @@ def run(
     cfg = ctx.cfg
     with ctx.stage("evaluate") as run_id:
         # the user's task (its chats in the candidate's template), else the held-out examples
-        task = load_task(cfg.eval_data, chat=chat_format(model_dir)) if cfg.eval_data else None
+        task = (
+            load_task(cfg.eval_data, chat=chat_format(model_dir), allow_http=cfg.allow_http_sources)
+            if cfg.eval_data
+            else None
+        )
         texts = heldout_texts(dataset_dir)  # what bits_per_byte measures, for both models
         # in the dtype the model will be served in: the smoke test compares with these answers
         scored = evaluate(

@@ -62,7 +62,8 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
     with ctx.stage("preflight") as run_id:
         spec = data_spec(cfg)  # lists the data source: a wrong path fails here, in seconds
         if cfg.eval_data:
-            load_task(cfg.eval_data)  # read in full: a bad line fails here, not after training
+            # read in full: a bad line fails here, not after training
+            load_task(cfg.eval_data, allow_http=cfg.allow_http_sources)
         job = ctx.backends.trainer.run(fabric_job(ctx.plan))
         fabric_metrics = ("allreduce", "memlock")  # memlock_*_kib: -1 is unlimited
         metrics = {k: v for k, v in job.metrics.items() if k.startswith(fabric_metrics)}
