@@ -130,6 +130,20 @@ def test_cpu_and_memory_scale_with_the_ranks_and_count_dev_shm() -> None:
     assert (explicit.job_cpu, explicit.job_memory) == ("30", "200Gi")
 
 
+def test_a_local_machines_gpus_size_only_what_was_left_auto() -> None:
+    """A local run gets one process per GPU of its machine (kubellm.backends.resolve; issue
+    22, item 3); an explicit value stays."""
+    four = pipeline_config({}).with_local_gpus(4)
+    assert (four.nproc_per_node, four.job_cpu, four.job_memory) == (4, "8", "40Gi")
+    assert four.with_local_gpus(2).nproc_per_node == 4  # sized once: now it is explicit
+    kept = pipeline_config({"job_cpu": "30"}).with_local_gpus(4)
+    assert (kept.nproc_per_node, kept.job_cpu, kept.job_memory) == (4, "30", "40Gi")
+    assert pipeline_config({}).with_local_gpus(0).nproc_per_node == 2  # no GPU: the CPU's 2
+    assert pipeline_config({"nproc_per_node": 1}).with_local_gpus(4).nproc_per_node == 1
+    asked = pipeline_config({"gpus_per_node": 2, "batch_size": 8})
+    assert asked.with_local_gpus(4).nproc_per_node == 2
+
+
 SIZE_ERRORS = [
     Case(
         ["gpus_per_node=8", "nproc_per_node=2"],

@@ -9,7 +9,7 @@ kubellm schedule pipelines/llm_train.yaml --cron '0 2 * * *' --endpoint http://l
 kubellm schedule --list --endpoint http://localhost:8888     # --pause, --resume, --delete
 kubellm render --set gpus_per_node=8 --set fabric=rdma-ib   # the objects a run creates
 kubellm prepare runs/dataset             # one stage by hand
-kubellm train --dataset runs/dataset --output runs/model --nproc 2
+kubellm train --dataset runs/dataset --output runs/model   # --nproc N: default one per GPU
 kubellm evaluate runs/model runs/dataset
 kubellm serve runs/model --name kubellm-tiny --port 8080
 kubellm lineage kubellm-tiny@champion [--json]   # data -> tuning -> training -> gate -> deployment
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kubellm.config import (
+    CPU_NPROC,
     ConfigError,
     PipelineConfig,
     TrainConfig,
@@ -133,10 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("out_dir", help="where the dataset directory is written")
     _add_set(prep, "pipeline parameter (data_source, num_records, seq_len, ...)")
 
-    tr = sub.add_parser("train", help="train by hand under torchrun (gloo on CPU)")
+    tr = sub.add_parser("train", help="train by hand under torchrun (NCCL on GPUs, gloo on CPU)")
     tr.add_argument("--dataset", required=True, help="dataset directory (kubellm prepare)")
     tr.add_argument("--output", required=True, help="model directory to write")
-    tr.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc_per_node)")
+    tr.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help=f"processes (torchrun --nproc_per_node); 0: one per GPU, else {CPU_NPROC}",
+    )
     _add_set(tr, "TrainConfig field (steps, learning_rate, batch_size, ...)")
 
     ev = sub.add_parser("evaluate", help="evaluate a model directory on a dataset")
@@ -220,11 +226,13 @@ def _prepare(out_dir: str, overrides: dict[str, Any]) -> int:
 
 def _train(dataset: str, output: str, nproc: int, overrides: list[str]) -> int:
     from kubellm.backends.base import TrainJob
-    from kubellm.backends.local.torchrun import TorchrunTrainer
+    from kubellm.backends.local.torchrun import TorchrunTrainer, local_nproc
 
     values = {"dataset_dir": dataset, "output_dir": output}
     values.update(parse_overrides(overrides, TrainConfig))
     train_cfg = validate(TrainConfig, values)
+    if nproc <= 0:  # one per GPU; gloo asked for: the CPU default, whatever GPUs there are
+        nproc = CPU_NPROC if train_cfg.backend == "gloo" else local_nproc()
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     cfg_path = out.parent / f"{out.name}.train.json"

@@ -701,15 +701,22 @@ class PipelineConfig(_Strict):
     @model_validator(mode="after")
     def _sizes(self) -> PipelineConfig:
         """Resolve what was left to follow the GPUs (nproc_per_node 0, job_cpu/job_memory
-        empty), then check explicit pod sizes against the ranks they must hold."""
+        empty), then check explicit pod sizes against the ranks they must hold.
+
+        A size filled in here stays out of `model_fields_set` (what the caller set), so
+        `with_local_gpus` can size it again; preflight's resolved config, which every later
+        stage loads, has them all set."""
         if self.nproc_per_node == 0:
             self.nproc_per_node = self.gpus_per_node or CPU_NPROC
+            self.__pydantic_fields_set__.discard("nproc_per_node")
         ranks = self.nproc_per_node
         shm = quantity(self.shm_size)
         if not self.job_cpu:
             self.job_cpu = str(CPU_PER_RANK * ranks)
+            self.__pydantic_fields_set__.discard("job_cpu")
         if not self.job_memory:
             self.job_memory = _gi(MEMORY_PER_RANK_GI * GI * ranks + shm)
+            self.__pydantic_fields_set__.discard("job_memory")
         if quantity(self.job_cpu) < ranks:
             raise ValueError(
                 f"job_cpu ({self.job_cpu}) is less than one CPU for each of the "
@@ -763,6 +770,28 @@ class PipelineConfig(_Strict):
                 f"({self.tune_trials})"
             )
         return self
+
+    @property
+    def nproc_follows_gpus(self) -> bool:
+        """nproc_per_node was left at 0 (auto) with no GPUs asked for (gpus_per_node 0): a
+        local run gives it one process per GPU of the machine (`with_local_gpus`)."""
+        return "nproc_per_node" not in self.model_fields_set and not self.gpus_per_node
+
+    def with_local_gpus(self, gpus: int) -> PipelineConfig:
+        """This config on a machine with `gpus` visible CUDA devices, for a local run (the
+        machine that validates it is the one that trains): an auto nproc_per_node becomes
+        one process per GPU, its auto pod sizes follow; an explicit nproc_per_node or
+        gpus_per_node wins, and without GPUs nothing changes (CPU_NPROC processes)."""
+        if not (gpus and self.nproc_follows_gpus) or gpus == self.nproc_per_node:
+            return self
+        auto = {name: "" for name in ("job_cpu", "job_memory") if name not in self.model_fields_set}
+        try:
+            return validate(PipelineConfig, {**self.model_dump(), **auto, "nproc_per_node": gpus})
+        except ConfigError as err:
+            raise ConfigError(
+                f"{err} (nproc_per_node=0: one process per GPU, {gpus} on this machine; set "
+                "nproc_per_node or batch_size)"
+            ) from None
 
     def context_length(self) -> int:
         """max_position_embeddings of the model a run trains from config (no base_model;

@@ -112,12 +112,18 @@ class Backends:
 
 
 def resolve(cfg: PipelineConfig) -> PipelineConfig:
-    """Fill the values that depend on where we run: absolute local paths and the tracking
+    """Fill the values that depend on where we run: absolute local paths, the tracking
     URI (sqlite under runs_dir locally; $MLFLOW_TRACKING_URI, from the kubellm-config
-    ConfigMap, on a cluster)."""
+    ConfigMap, on a cluster) and, locally, an auto nproc_per_node: one process per GPU of
+    this machine (a cluster's pods get gpus_per_node or CPU_NPROC, sized where the config
+    is validated)."""
     runs = Path(cfg.runs_dir).expanduser()
     uri = cfg.mlflow_tracking_uri
     if cfg.platform == "local":
+        if cfg.nproc_follows_gpus:
+            from kubellm.backends.local.torchrun import visible_gpus
+
+            cfg = cfg.with_local_gpus(visible_gpus())
         runs = runs.resolve()
         uri = uri or f"sqlite:///{runs / 'mlflow.db'}"
     else:

@@ -72,7 +72,14 @@ def train_config(
     cfg: PipelineConfig, dataset_dir: str | Path, output_dir: str | Path, **values: Any
 ) -> TrainConfig:
     """The TrainConfig of a training job (a trial or the final run) of this pipeline run;
-    `values` are the job's own settings (steps, checkpointing, ...)."""
+    `values` are the job's own settings (steps, checkpointing, ...).
+
+    A run that asks for GPUs (gpus_per_node > 0) demands nccl: `auto` would fall back to
+    gloo on a node whose driver is too old for the image's CUDA and train on its CPUs
+    without a word; with nccl the ranks stop at once and say why (kubellm.train.loop.check).
+    The pipeline has no backend parameter, so no run asks for gloo with GPUs; `kubellm
+    train` by hand takes any backend (`--set backend=gloo`).
+    """
     base = TrainConfig(
         dataset_dir=str(dataset_dir),
         output_dir=str(output_dir),
@@ -86,5 +93,6 @@ def train_config(
         precision=cfg.precision,
         lora=LoraSettings(r=cfg.lora_r) if cfg.lora_r else None,
         mlflow_tracking_uri=cfg.mlflow_tracking_uri,
+        backend="nccl" if cfg.gpus_per_node else "auto",
     )
     return base.with_values(values)

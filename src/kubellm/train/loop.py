@@ -127,8 +127,40 @@ def check(cfg: TrainConfig, world_size: int, local_rank: int = 0, local_world: i
         )
     cuda = torch.cuda.is_available()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
     if backend == "nccl" and not cuda:
-        raise ConfigError("invalid backend='nccl': no CUDA device is visible; use gloo or auto")
+        # A pipeline that asks for GPUs (gpus_per_node > 0) demands nccl: say why there are
+        # none (torch's own reason: a CPU-only build, no driver, a driver too old, ...).
+        try:
+            torch.cuda.init()
+            why = "no device"
+        except Exception as err:  # AssertionError on a CPU-only build, else RuntimeError
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        built = torch.version.cuda
+        r580 = " (CUDA 13 needs R580 or newer)" if (built or "").startswith("13.") else ""
+        hint = (
+            f"does the node's NVIDIA driver support CUDA {built}?{r580}"
+            if built
+            else "this torch is a CPU-only build"
+        )
+        raise ConfigError(
+            "invalid backend='nccl': no CUDA device is visible: torch.cuda.is_available() is "
+            f"False ({why}; torch {torch.__version__}{shown}); {hint}. A pipeline with "
+            "gpus_per_node > 0 demands nccl; to train on the CPU set gpus_per_node=0 (by hand: "
+            "backend=gloo or auto)"
+        )
+    if backend == "nccl":
+        gpus = torch.cuda.device_count()
+        ranks = max(local_world, local_rank + 1)
+        if ranks > gpus:
+            cpu = ", or CUDA_VISIBLE_DEVICES= to train on the CPU" if cfg.backend == "auto" else ""
+            raise ConfigError(
+                f"invalid nproc_per_node={ranks}: LOCAL_RANK {ranks - 1} has no GPU, "
+                f"{gpus} visible{shown} for the {ranks} processes of this node "
+                f"(LOCAL_WORLD_SIZE); run one process per GPU: nproc_per_node (kubellm train "
+                f"--nproc) <= {gpus}{cpu}"
+            )
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     bf16 = cfg.precision == "bf16" or (
         cfg.precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()

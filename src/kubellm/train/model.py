@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import shutil
 from pathlib import Path
 from typing import Any
@@ -177,9 +179,24 @@ def place(
                 )
     if distributed and cfg.strategy == "ddp":
         ids = [device.index] if device.type == "cuda" else None
-        # The model's buffers (rotary frequencies) are constants: no broadcast each forward.
-        return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+        return DistributedDataParallel(model, device_ids=ids, **_constant_buffers())
     return model
+
+
+@functools.cache
+def _constant_buffers() -> dict[str, Any]:
+    """DDP's keyword for "the buffers are constants: no broadcast before each forward".
+
+    The model's buffers (rotary frequencies) are computed in `__init__`, the same on every
+    rank, and no step changes them. torch 2.13 added `forward_sync_buffers` and deprecated
+    `broadcast_buffers` (a FutureWarning); older torch has only `broadcast_buffers`, which
+    also skips the buffers' broadcast at construction (`forward_sync_buffers=False` keeps
+    it): nothing to copy here, the buffers are already equal.
+    """
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 def _fully_shard(

@@ -13,7 +13,29 @@ import time
 from pathlib import Path
 
 from kubellm.backends.base import JobFailed, JobResult, JobTimeout, Trainer, TrainJob
+from kubellm.config import CPU_NPROC
 from kubellm.train.metric_lines import parse_metrics
+
+# Device nodes of an NVIDIA driver (Linux, and WSL2's GPU paravirtualization): without one
+# no CUDA device can be visible, and torch (seconds of CPU to import) is not asked.
+_DRIVER_NODES = ("/dev/nvidiactl", "/dev/dxg")
+
+
+def visible_gpus() -> int:
+    """The CUDA devices a training process on this machine sees (CUDA_VISIBLE_DEVICES
+    applied): torch's count, 0 when it cannot use them (a CPU-only build, a driver too old
+    for its CUDA) or when there is no NVIDIA driver at all."""
+    if not any(os.path.exists(node) for node in _DRIVER_NODES):
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_nproc() -> int:
+    """Processes of a local training job when none are asked for: one per GPU, else
+    CPU_NPROC (gloo on the CPU)."""
+    return visible_gpus() or CPU_NPROC
 
 
 class TorchrunTrainer(Trainer):
