@@ -309,6 +309,31 @@ class TrainConfig(_Strict):
     )
     mlflow_tracking_uri: str = Field("", description="MLflow tracking URI; empty disables logging.")
     mlflow_run_id: str = Field("", description="MLflow run to log metrics to (rank 0 only).")
+    export_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="dtype of the exported model's floating-point weights: float32 (the "
+        "trained master weights, exactly) or bfloat16 (half the size and the write time).",
+    )
+    init_timeout_s: int = Field(
+        1800,
+        ge=1,
+        description="Seconds a collective may wait until the first step is done on every "
+        "rank: process group creation (ranks waiting for the slowest to start, e.g. one still "
+        "downloading the model), weights streamed from rank 0, resume, the first step with "
+        "its compilation.",
+    )
+    collective_timeout_s: int = Field(
+        600,
+        ge=1,
+        description="Seconds a collective of the default process group may wait after the "
+        "first step; past it NCCL's watchdog ends the job (and dumps its flight recorder).",
+    )
+    export_timeout_s: int = Field(
+        7200,
+        ge=1,
+        description="Seconds the other ranks wait for rank 0 to write the exported model "
+        "(on a gloo group of its own, so NCCL's watchdog is not involved).",
+    )
 
     def micro_batch(self, world_size: int) -> int:
         """Sequences per rank per forward pass; ConfigError when the batch does not divide."""

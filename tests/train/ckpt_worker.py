@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.nn.parallel import DistributedDataParallel
 
 from kubellm.train.checkpoint import Checkpointer, complete_checkpoints
 
@@ -70,9 +73,60 @@ def _fsdp(seed: int, frozen: bool) -> tuple[torch.nn.Module, torch.optim.Optimiz
     return model, optimizer(model)
 
 
+def tensor_leaves(state: Any, where: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted path, tensor) of every tensor in a nested state."""
+    if isinstance(state, dict):
+        for k, v in state.items():
+            yield from tensor_leaves(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from tensor_leaves(v, f"{where}.{i}")
+    elif isinstance(state, torch.Tensor):
+        yield where, state
+
+
+def ddp_round_trip(rank: int, world: int, root: Path) -> None:
+    """2-rank DDP: each rank stages only its share of the replicated state (together all of
+    it, each tensor once), and both ranks load the whole state back."""
+    model = DistributedDataParallel(tiny_model(seed=0))
+    opt = optimizer(model)
+    ckpt = Checkpointer(root, rank, keep=1)
+    train(model, opt, 2, seed=1)
+    at_2 = full_state(model, opt)
+    staged: list[Any] = []
+    stage = DefaultStager.stage
+
+    def recording(self: DefaultStager, state_dict: Any, **kwargs: Any) -> Any:
+        staged.append(state_dict)
+        return stage(self, state_dict, **kwargs)
+
+    DefaultStager.stage = recording  # type: ignore[method-assign]
+    try:
+        ckpt.save(2, model, opt, {})
+    finally:
+        DefaultStager.stage = stage  # type: ignore[method-assign]
+    train(model, opt, 1, seed=2)
+    assert ckpt.close() == root / "step-00000002"
+    assert len(staged) == 1
+    mine = {k: t.numel() * t.element_size() for k, t in tensor_leaves(staged[0])}
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    everything = {k: t.numel() * t.element_size() for k, t in tensor_leaves(at_2)}
+    keys = [k for share in every for k in share]
+    assert sorted(keys) == sorted(everything), (keys, sorted(everything))  # each tensor once
+    assert 0 < sum(mine.values()) < 0.7 * sum(everything.values()), (mine, everything)
+    assert ("param_groups" in staged[0]["optim"]) == (rank == 0)
+    fresh = DistributedDataParallel(tiny_model(seed=9))
+    fresh_opt = optimizer(fresh)
+    resumed = ckpt.load_latest(fresh, fresh_opt)
+    assert resumed is not None and resumed.path == root / "step-00000002"
+    assert mismatches(full_state(fresh, fresh_opt), at_2) == []  # on every rank
+
+
 def fsdp_round_trip(rank: int, world: int, root: str, store: str) -> None:
     """2-rank FSDP2: async save at step 2, train on, commit, load into a fresh sharded model:
-    the state at step 2; then keep=1 across ranks; then LoRA-like skip_frozen."""
+    the state at step 2; then keep=1 across ranks; then LoRA-like skip_frozen; then DDP
+    (`ddp_round_trip`)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         base = Path(root)
@@ -113,5 +167,7 @@ def fsdp_round_trip(rank: int, world: int, root: str, store: str) -> None:
         for key, value in got["model"].items():
             expected = start[key] if key.startswith("0.") else at_2["model"][key]
             assert torch.equal(value, expected), key
+
+        ddp_round_trip(rank, world, base / "ddp")
     finally:
         dist.destroy_process_group()

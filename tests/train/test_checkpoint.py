@@ -14,7 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ckpt_worker import fsdp_round_trip, full_state, mismatches, optimizer, tiny_model, train
+from ckpt_worker import (
+    fsdp_round_trip,
+    full_state,
+    mismatches,
+    optimizer,
+    tensor_leaves,
+    tiny_model,
+    train,
+)
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
@@ -22,7 +30,14 @@ from trainkit import step_losses, tiny_config, write_config
 
 from kubellm.backends.base import TrainJob
 from kubellm.backends.local.torchrun import TorchrunTrainer
-from kubellm.train.checkpoint import MARKER, TRAINER_STATE, Checkpointer, complete_checkpoints
+from kubellm.train.checkpoint import (
+    MARKER,
+    TRAINER_STATE,
+    Checkpointer,
+    complete_checkpoints,
+    is_replicated,
+    replicated_share,
+)
 
 STEPS = 8
 
@@ -295,7 +310,38 @@ def test_without_a_process_group_the_save_is_synchronous(tmp_path: Path) -> None
     assert mismatches(full_state(fresh, fresh_opt), at_0) == []
 
 
-def test_fsdp2_two_ranks_async_round_trip(tmp_path: Path) -> None:
+def test_a_replicated_state_is_dealt_out_in_whole_parameters_each_once() -> None:
+    """DDP's state: each rank hands DCP only its share (ddp_round_trip checks it on 2 ranks)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = tiny_model()
+    opt = optimizer(model)
+    train(model, opt, 1, seed=1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    assert is_replicated(state)
+    shares = [replicated_share(state, rank, 3) for rank in range(3)]
+    keys = sorted(k for share in shares for k, _ in tensor_leaves(share))
+    assert keys == sorted(k for k, _ in tensor_leaves(state))  # all of it, each tensor once
+    for share in shares:  # a weight travels with its optimizer state
+        assert sorted(share["model"]) == sorted(share["optim"]["state"])
+    by_size = [["0.weight"], ["2.weight"], ["0.bias", "2.bias"]]  # largest first, least loaded
+    assert [sorted(s["model"]) for s in shares] == by_size
+    assert ["param_groups" in s["optim"] for s in shares] == [True, False, False]
+    assert shares[0]["model"]["0.weight"] is model_sd["0.weight"]  # no copy: DCP stages it
+
+
+def test_a_sharded_state_is_not_replicated(group: None) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sharded = distribute_tensor(torch.ones(4), init_device_mesh("cpu", (1,)), [Shard(0)])
+    assert not is_replicated({"model": {"w": sharded}, "optim": {"state": {}}})
+
+
+def test_fsdp2_and_ddp_two_ranks_async_round_trip(tmp_path: Path) -> None:
+    """Two gloo ranks: FSDP2 (fsdp_round_trip), then DDP, where each rank stages and writes
+    only its share of the replicated state (ddp_round_trip)."""
     mp.spawn(
         fsdp_round_trip,
         args=(2, str(tmp_path / "ckpt"), str(tmp_path / "store")),

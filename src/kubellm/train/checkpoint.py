@@ -13,6 +13,14 @@ COMPLETE marker, then renames the folder. A checkpoint is only ever read from a 
 folder, and one that fails to load (a shard deleted, a truncated file) is skipped with a
 warning in favour of the next newest.
 
+A replicated state (DDP: every rank holds the same full tensors) is split before DCP sees it:
+each rank hands over only its share (`replicated_share`: whole parameters with their optimizer
+state, balanced by size), so each rank stages and writes 1/WORLD_SIZE of the state. Handed the
+whole state, every rank would stage all of it (about 12 bytes per parameter: fp32 weights and
+AdamW's two moments, pinned on GPUs) before DCP dropped the duplicates. Every rank still loads
+the whole state on resume. A sharded state (FSDP2, HSDP: DTensors) is handed over as it is:
+each rank's part is its own shard.
+
 `Checkpointer` keeps the GPUs training while a checkpoint is written: `save` copies the state
 to host memory (the only part the training waits for) and hands the write to a background
 thread (`dcp.async_save`, on a gloo process group of its own, so its collectives never mix
@@ -25,11 +33,13 @@ pretrained model loaded at start-up.
 from __future__ import annotations
 
 import copy
+import heapq
 import re
 import shutil
 import sys
 import threading
 import uuid
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +73,61 @@ class Resumed:
 def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _leaves(obj) if isinstance(t, torch.Tensor))
+
+
+def is_replicated(state: dict[str, Any]) -> bool:
+    """True when no tensor of `state` is sharded (no DTensor): under DDP every rank holds
+    the same full tensors, which DCP would write once anyway (it treats equal keys of plain
+    tensors on several ranks as copies)."""
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(t, DTensor) for t in _leaves(state))
+
+
+def replicated_share(state: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Rank `rank`'s share of a replicated {"model": ..., "optim": ...} state (what
+    `get_state_dict` returns for a DDP model): whole parameters, each with its optimizer
+    state, dealt out by size (largest first, to the least loaded rank) so that every rank
+    computes the same split on its own; rank 0 also takes the optimizer's param_groups. The
+    shares together are the state, each key once, so DCP writes the same checkpoint (the
+    same keys, loadable on any world size) while each rank stages only its share."""
+    model: dict[str, Any] = state["model"]
+    optim: dict[str, Any] = state["optim"]
+    per_param: dict[str, Any] = optim.get("state", {})
+    sizes = {k: _nbytes(model.get(k)) + _nbytes(per_param.get(k)) for k in {*model, *per_param}}
+    loads = [(0, r) for r in range(world)]  # a heap: the least loaded rank, then the lowest
+    mine: set[str] = set()
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        load, owner = heapq.heappop(loads)
+        heapq.heappush(loads, (load + sizes[key], owner))
+        if owner == rank:
+            mine.add(key)
+    share: dict[str, Any] = {"state": {k: v for k, v in per_param.items() if k in mine}}
+    if rank == 0:
+        share.update({k: v for k, v in optim.items() if k != "state"})
+    return {"model": {k: v for k, v in model.items() if k in mine}, "optim": share}
+
+
+def _to_write(state: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """What this rank hands DCP: its share of a replicated state, else the state."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or not is_replicated(state):
+        return state
+    return replicated_share(state, dist.get_rank(group), dist.get_world_size(group))
 
 
 def complete_checkpoints(root: str | Path) -> list[Path]:
@@ -146,7 +211,7 @@ def save(
         doomed += _prepare(tmp)
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    dcp.save(_to_write({"model": model_sd, "optim": optim_sd}, None), checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
         doomed += _commit(base, step, tmp, final, trainer_state, keep)
@@ -274,7 +339,8 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(
             model, optimizer, options=StateDictOptions(ignore_frozen_params=self.skip_frozen)
         )
-        state = {"model": model_sd, "optim": optim_sd}
+        # under DDP: this rank's share only (`replicated_share`), staged and written by it
+        state = _to_write({"model": model_sd, "optim": optim_sd}, self._group)
         future: Future[Any] | None = None
         if self.asynchronous and self._group is not None:
             # The stager copies every tensor (synchronously) before async_save returns, so

@@ -7,13 +7,18 @@ unchanged. The order of work:
 1. `check`: everything that can be wrong with the config and the data, before any process
    group exists (a bad value fails in seconds, naming the field, with exit code 2);
 2. the process group (NCCL on GPUs, gloo on CPU; under torchrun even with one rank, so the
-   strategy is the same at any size);
+   strategy is the same at any size), after a hub model is downloaded (`startup.resolve`, so
+   no collective waits on a download); on NCCL with the flight recorder on and dumped on a
+   watchdog timeout, bound to the rank's GPU, with `init_timeout_s` until the first step is
+   done on every rank and `collective_timeout_s` afterwards (`process_group_setup`);
 3. `build_model` (a pretrained model as a skeleton on `meta`, a from-config one on CPU), then
    `place`: DDP, or FSDP2 / HSDP `fully_shard` before the parameters get storage, and the
    pretrained weights read once on rank 0 and streamed to the others;
 4. the loop: micro-batches with gradient accumulation, clipping, AdamW with warmup + cosine,
    metrics every `log_every` steps, DCP checkpoints, and SIGTERM / SIGUSR1 pre-emption;
-5. held-out loss, then the model exported as a Hugging Face directory (LoRA merged).
+5. held-out loss, then the model exported as a Hugging Face directory (LoRA merged, in
+   `export_dtype`) by rank 0, the other ranks waiting for it on a gloo group with
+   `export_timeout_s` (not under NCCL's watchdog).
 
 Metrics go to stdout as `name=value` pairs (Katib's StdOut collector reads them) and, on
 rank 0, to MLflow when a run is given.
@@ -28,7 +33,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +55,22 @@ from kubellm.train.model import build_model, export, hf_config, place, tie_weigh
 from kubellm.train.preempt import EXIT_PREEMPTED, Preemption
 
 FORCE_DISTRIBUTED_ENV = "KUBELLM_FORCE_DISTRIBUTED"
+# What the NCCL process group reads when it is created (torch/csrc/distributed/c10d/
+# ProcessGroupNCCL.hpp, FlightRecorder.hpp), as torchtitan's init_distributed sets them: the
+# watchdog tears the process down on an error or timeout without cleaning up the communicators
+# (3, SkipCleanUp: the mode the flight recorder's dump works with, pytorch/pytorch#121055),
+# after dumping the last collectives of every group (ring buffer of 2000 entries) to a file per
+# rank. Each entry: the names torch reads for it, newest first (one already set, under any of
+# its names, is left as it is), and the value. The dump file prefix is added by
+# `process_group_setup` when the run has a checkpoint_dir (a volume that outlives the pod).
+NCCL_ENV: list[tuple[tuple[str, ...], str]] = [
+    (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"), "3"),
+    (("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
+    (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), "2000"),
+]
+FR_DUMP_FILE = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+FLIGHT_RECORDER_DIR = "flight-recorder"  # under checkpoint_dir: <rank>-numbered dumps
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Preempted(Exception):
@@ -182,6 +205,45 @@ def _emit(metrics: dict[str, float], sink: MlflowSink | None, step: int) -> None
         sink.log({k: v for k, v in metrics.items() if k != "step"}, step)
 
 
+def process_group_setup(
+    plan: Plan, cfg: TrainConfig, env: Mapping[str, str]
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """(the environment variables to add, the keyword arguments of init_process_group).
+
+    The timeout is `init_timeout_s` (the run switches to `collective_timeout_s` after its
+    first step, `_Run.settle_timeouts`). On NCCL also: the flight recorder and the watchdog's
+    error handling (`NCCL_ENV`, each only when `env` has none of its names: the user's
+    setting wins), the dump file prefix under checkpoint_dir, and `device_id`, so the
+    communicator is created now (a broken NCCL set-up fails here, not in the first step) and
+    sub-groups are split from it. On gloo nothing else.
+    """
+    kwargs: dict[str, Any] = {
+        "backend": plan.backend,
+        "timeout": timedelta(seconds=cfg.init_timeout_s),
+    }
+    if plan.backend != "nccl":
+        return {}, kwargs
+    wanted = list(NCCL_ENV)
+    if cfg.checkpoint_dir:
+        prefix = Path(cfg.checkpoint_dir) / FLIGHT_RECORDER_DIR / "nccl_trace_rank_"
+        wanted.append((FR_DUMP_FILE, str(prefix)))
+    updates = {names[0]: value for names, value in wanted if not any(n in env for n in names)}
+    kwargs["device_id"] = plan.device
+    return updates, kwargs
+
+
+def settled(device: torch.device) -> float:
+    """The clock, read once `device` has run all the work queued so far.
+
+    A CUDA kernel launch returns before the kernel runs: a clock read without waiting ends
+    the metrics window while the GPU still has the window's last steps queued, overstating
+    tokens/s and MFU.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _duration(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
@@ -198,10 +260,27 @@ def train(cfg: TrainConfig) -> dict[str, float]:
         torch.cuda.set_device(plan.device)
     else:
         return_freed_memory()
+    if cfg.model_name_or_path:
+        # A hub model is downloaded now, by every rank, before any collective could time out
+        # waiting for it; `place` later gets the same snapshot without downloading again.
+        startup.resolve(cfg.model_name_or_path)
     # One process trains the plain model; FORCE_DISTRIBUTED_ENV=1 gives it a process group
     # and the configured strategy anyway (`make gpu-check` exercises DDP / FSDP2 on one GPU).
     if world > 1 or os.environ.get(FORCE_DISTRIBUTED_ENV) == "1":
-        dist.init_process_group(backend=plan.backend)
+        env, kwargs = process_group_setup(plan, cfg, os.environ)
+        os.environ.update(env)
+        if dump := env.get(FR_DUMP_FILE[0]):
+            Path(dump).parent.mkdir(parents=True, exist_ok=True)
+        dist.init_process_group(**kwargs)
+        if rank == 0 and plan.backend == "nccl":
+            groups = [names for names, _ in NCCL_ENV] + [FR_DUMP_FILE]
+            found = [next((n for n in g if n in os.environ), "") for g in groups]
+            print(
+                f"train: nccl: timeout {cfg.init_timeout_s}s until the first step, then "
+                f"{cfg.collective_timeout_s}s; "
+                + " ".join(f"{n}={os.environ[n]}" for n in found if n),
+                flush=True,
+            )
     try:
         model = build_model(cfg, plan.tokenizer)
         return _Run(cfg, plan, model, rank, world).run()
@@ -268,12 +347,13 @@ class _Run:
         if self.rank == 0:
             print(f"train: {msg}", flush=True)
 
-    def log_memory(self, when: str, peak: int) -> None:
-        """Every rank's host peak RSS (and the device's peak allocation) in one line."""
+    def log_memory(self, when: str, peak: int, group: dist.ProcessGroup | None = None) -> None:
+        """Every rank's host peak RSS (and the device's peak allocation) in one line
+        (collective, on `group`: the default one unless given)."""
         per_rank: list[Any] = [peak]
         if self.distributed:
             per_rank = [0] * dist.get_world_size()
-            dist.all_gather_object(per_rank, peak)
+            dist.all_gather_object(per_rank, peak, group=group)
         device = ""
         if self.plan.device.type == "cuda":
             device = f"; device peak {_gib(torch.cuda.max_memory_allocated(self.plan.device))} GiB"
@@ -314,6 +394,24 @@ class _Run:
         if self.plan.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.plan.device)
         return state
+
+    def settle_timeouts(self) -> None:
+        """After this process's first step: the default group's collectives may wait
+        `collective_timeout_s` from now on, instead of start-up's `init_timeout_s`
+        (torchtitan's set_pg_timeouts). A barrier first, and the device idle, so that no rank
+        waits under the shorter timeout for one still busy with its first step."""
+        if not self.distributed:
+            return
+        from torch.distributed import distributed_c10d
+
+        set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+        if set_timeout is None:  # private (torchtitan calls it): feature-tested
+            self.log(f"this torch cannot change a timeout: {self.cfg.init_timeout_s}s stays")
+            return
+        dist.barrier()
+        if self.plan.device.type == "cuda":
+            torch.cuda.synchronize(self.plan.device)
+        set_timeout(timedelta(seconds=self.cfg.collective_timeout_s))
 
     def save(self, step: int, *, block: bool) -> None:
         """Start checkpoint `step` (the write continues in the background unless `block`)."""
@@ -402,26 +500,37 @@ class _Run:
         self.log(peak_line)
         start = self.resume()
         last: dict[str, float] = {}
-        began = window_t = time.perf_counter()
+        began = window_t = settled(plan.device)
         window_steps = 0
         self.engine.train()
         control = dist.new_group(backend="gloo") if self.world > 1 else None
+        # What the other ranks wait on while rank 0 exports (`log_memory("end")`): gloo with
+        # its own long timeout, so a long write is not killed by NCCL's watchdog.
+        finish = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.export_timeout_s))
+            if self.distributed
+            else None
+        )
         with Preemption(control) as pre:
             for step in range(start, cfg.steps):
                 loss, norm = self.step()
+                if step == start:
+                    self.settle_timeouts()
                 done = step + 1
                 window_steps += 1
                 if done % cfg.log_every == 0 or done == cfg.steps:
                     if dist.is_initialized():
                         dist.all_reduce(loss, op=dist.ReduceOp.SUM)
                         loss /= self.world
-                    elapsed = max(time.perf_counter() - window_t, 1e-9)
+                    # float() waits for the device; the window ends once it has run it all
+                    loss_value, norm_value = float(loss), float(norm)
+                    elapsed = max(settled(plan.device) - window_t, 1e-9)
                     tps = window_steps * tokens_per_step / elapsed
                     last = {
                         "step": done,
-                        "loss": float(loss),
+                        "loss": loss_value,
                         "lr": float(self.sched.get_last_lr()[0]),
-                        "grad_norm": float(norm),
+                        "grad_norm": norm_value,
                         "tokens_per_sec": tps,
                     }
                     if peak:
@@ -469,7 +578,7 @@ class _Run:
             _emit(final, self.sink, cfg.steps)
         if cfg.save_model:
             self.export()
-        self.log_memory("end", host_peak_rss())
+        self.log_memory("end", host_peak_rss(), group=finish)
         return final
 
     @torch.no_grad()
@@ -518,8 +627,10 @@ class _Run:
         if self.cfg.activation_checkpointing:
             model.activation_checkpointing_disable()  # type: ignore[operator]
         model.config.use_cache = True  # type: ignore[union-attr]  # generation uses the cache
-        export(model.to("cpu"), self.plan.tokenizer, self.cfg.output_dir)
-        self.log(f"exported model to {self.cfg.output_dir}")
+        # floating-point tensors only (`Module.to`); after the LoRA merge, made in float32
+        dtype = EXPORT_DTYPES[self.cfg.export_dtype]
+        export(model.to("cpu", dtype), self.plan.tokenizer, self.cfg.output_dir)
+        self.log(f"exported model to {self.cfg.output_dir} ({self.cfg.export_dtype})")
 
 
 def return_freed_memory(threshold: int = 4 << 20) -> None:

@@ -275,15 +275,28 @@ def init_adapters(model: nn.Module, seed: int) -> int:
     return n
 
 
+# hub name -> its downloaded snapshot, once per process (`resolve`)
+_DOWNLOADED: dict[str, Path] = {}
+
+
 def resolve(name_or_path: str) -> Path:
-    """A local directory as is; a hub name downloaded (safetensors and JSON files only)."""
+    """A local directory as is; a hub name downloaded (safetensors and JSON files only).
+
+    A hub name is downloaded once per process: the trainer resolves it before the process
+    group exists (a download takes as long as it takes, with no collective waiting on it),
+    and the later call that loads the weights gets the same snapshot at once.
+    """
     path = Path(name_or_path)
     if path.is_dir():
         return path
+    if name_or_path in _DOWNLOADED:
+        return _DOWNLOADED[name_or_path]
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
+        got = Path(snapshot_download(name_or_path, allow_patterns=["*.safetensors", "*.json"]))
     except Exception as err:  # offline, unknown repo, auth: one line naming the model
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"invalid model_name_or_path={name_or_path!r}: {reason}") from None
+    _DOWNLOADED[name_or_path] = got
+    return got
