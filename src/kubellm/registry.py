@@ -42,6 +42,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from kubellm.config import ConfigError
+from kubellm.redact import redact
 from kubellm.serve.layout import TOKENIZER_DIR, WEIGHTS_DIR
 
 TASK = "text-generation"
@@ -190,7 +191,7 @@ def get_version(client: MlflowClient, name: str, version: str) -> ModelVersion:
         if err.error_code != "RESOURCE_DOES_NOT_EXIST":
             raise
         raise ConfigError(
-            f"no registered model {name!r} in {client.tracking_uri}; "
+            f"no registered model {name!r} in {redact(client.tracking_uri)}; "
             "check the name and --tracking-uri"
         ) from None
     try:

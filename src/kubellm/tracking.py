@@ -8,6 +8,7 @@ is tagged with the KFP run id so the exit handler can find them all again.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,8 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+from kubellm.redact import redact
 
 TAG_KFP_RUN = "kubellm.kfp_run_id"
 TAG_STAGE = "kubellm.stage"
@@ -36,6 +39,8 @@ CHAMPION = "champion"
 
 
 HEALTH_TIMEOUT_S = 5.0
+# mlflow.environment_variables.MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT (read at each print)
+SUPPRESS_RUN_URL_ENV = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
 # How MLflow marks what a dataset input was used for (mlflow.log_input's `context`).
 TAG_DATA_CONTEXT = "mlflow.data.context"
 
@@ -63,13 +68,15 @@ def check_reachable(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
         status = requests.get(url, timeout=(min(3.0, timeout_s), timeout_s)).status_code
     except requests.RequestException as err:
         reason = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(err) else ""
+        shown = redact(uri)
         raise TrackingUnavailable(
-            f"MLflow tracking server {uri} is unreachable ({reason or type(err).__name__}); "
+            f"MLflow tracking server {shown} is unreachable ({reason or type(err).__name__}); "
             "check mlflow_tracking_uri (or the kubellm-config ConfigMap) and that the server runs"
         ) from None
     if status >= 500:
         raise TrackingUnavailable(
-            f"MLflow tracking server {uri} answers {url} with HTTP {status}; check that it runs"
+            f"MLflow tracking server {redact(uri)} answers {redact(url)} with HTTP {status}; "
+            "check that it runs"
         )
 
 
@@ -148,6 +155,10 @@ class Tracker:
         artifact_location: str | None = None,
     ) -> Tracker:
         """The experiment's store; `artifact_location` is used only when creating it."""
+        if redact(tracking_uri) != tracking_uri:
+            # MLflow prints "View run ... at: <the tracking URI>/#/..." as a run ends: not
+            # with a password in it (kubellm.redact)
+            os.environ.setdefault(SUPPRESS_RUN_URL_ENV, "true")
         client = MlflowClient(tracking_uri=tracking_uri)
         exp = client.get_experiment_by_name(experiment_name)
         if exp is not None:
@@ -236,8 +247,8 @@ class Tracker:
         self.client.log_batch(
             run_id,
             metrics=[Metric(k, float(v), now, step) for k, v in (metrics or {}).items()],
-            params=[Param(k, str(v)[:6000]) for k, v in (params or {}).items()],
-            tags=[RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()],
+            params=[Param(k, redact(str(v))[:6000]) for k, v in (params or {}).items()],
+            tags=[RunTag(k, redact(str(v))[:5000]) for k, v in (tags or {}).items()],
         )
 
     def log_dataset(

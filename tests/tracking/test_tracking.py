@@ -12,7 +12,7 @@ from kubellm.config import PipelineConfig
 from kubellm.registry import download_hf_dir
 from kubellm.stages import register
 from kubellm.stages.context import StageContext, open_tracker
-from kubellm.tracking import TAG_KFP_RUN, TAG_PARENT, TAG_STAGE
+from kubellm.tracking import SUPPRESS_RUN_URL_ENV, TAG_KFP_RUN, TAG_PARENT, TAG_STAGE
 from tracking.mlflow_server import MlflowServer
 
 FINGERPRINT = "sha256:0123abcd"
@@ -168,3 +168,60 @@ def test_register_against_a_real_mlflow_server(
     assert len(uploaded) == 2, uploaded  # one per registered version
     # and the version records the proxied location, not a path on this machine
     assert mv.source.startswith("mlflow-artifacts:"), mv.source
+
+
+SECRET = "s3cr3t-pw"
+
+
+def test_a_password_in_the_tracking_uri_reaches_no_param_report_or_output(
+    mlflow_server: MlflowServer,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 23: `user:pass@` in mlflow_tracking_uri, through preflight (the parent run logs
+    the whole config; preflight logs the URI and shows it in its report) against a real
+    `mlflow server`, which ignores the credentials: nothing MLflow stores or the step
+    prints holds the password."""
+    from kubellm.stages import preflight
+    from stages.conftest import TINY
+
+    monkeypatch.delenv(SUPPRESS_RUN_URL_ENV, raising=False)  # the step sets it: undone after
+    uri = mlflow_server.url.replace("http://", f"http://kubellm:{SECRET}@")
+    params = {**TINY, "runs_dir": str(tmp_path / "runs"), "mlflow_tracking_uri": uri}
+    result = preflight.run(params, "kfp-secret")
+    out = capfd.readouterr()
+    assert "kubellm:***@127.0.0.1" in result.report
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    parent = client.get_run(result.parent_run_id)
+    runs = [parent, *client.search_runs([parent.info.experiment_id])]
+    stored = [str(r.data.params) + str(r.data.tags) for r in runs]
+    assert parent.data.params["mlflow_tracking_uri"] == uri.replace(SECRET, "***")
+    reports = [
+        client.download_artifacts(r.info.run_id, "report.md", str(tmp_path / r.info.run_id))
+        for r in runs
+        if any(a.path == "report.md" for a in client.list_artifacts(r.info.run_id))
+    ]
+    assert reports  # preflight's report is stored
+    texts = [*stored, *(Path(p).read_text() for p in reports), result.report]
+    texts += [result.headline, out.out, out.err]
+    leaks = [t[max(0, t.index(SECRET) - 200) : t.index(SECRET) + 50] for t in texts if SECRET in t]
+    assert leaks == []
+    # the URI itself still works: the runs were made through it
+    assert PipelineConfig.model_validate_json(result.config).mlflow_tracking_uri == uri
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("http://u:p@h:5000/x", "http://u:***@h:5000/x"),
+        ("https://token@h", "https://***@h"),
+        ("a http://u:p@h and s3://k:s@b/x", "a http://u:***@h and s3://k:***@b/x"),
+        ("sqlite:///runs/a@b.db", "sqlite:///runs/a@b.db"),
+        ("user@example.com", "user@example.com"),
+    ],
+)
+def test_redact_hides_the_password_of_every_url(text: str, shown: str) -> None:
+    from kubellm.redact import redact
+
+    assert redact(text) == shown

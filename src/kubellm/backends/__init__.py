@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from kubellm.backends.base import Server, Trainer, Tuner, Workspace
 from kubellm.config import PipelineConfig
+from kubellm.redact import redact
 
 if TYPE_CHECKING:
     from kubellm.backends.kubernetes.podspec import ClusterSettings
@@ -108,7 +109,7 @@ class Backends:
             # sqlite: artifacts beside it; a tracking server keeps (proxies) its own
             location = (Path(self.cfg.runs_dir) / "mlartifacts").resolve().as_uri()
             return Tracking(location, f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1")
-        return Tracking(None, f"open {uri}")
+        return Tracking(None, f"open {redact(uri)}")
 
 
 def resolve(cfg: PipelineConfig) -> PipelineConfig:

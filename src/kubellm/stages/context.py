@@ -20,6 +20,7 @@ from kubellm.backends import Backends, select
 from kubellm.backends.base import TrainJob, dns_name
 from kubellm.config import PipelineConfig, TrainConfig
 from kubellm.process import end_kfp_step_fast
+from kubellm.redact import redact
 from kubellm.tracking import TAG_STAGE, Tracker, check_reachable
 
 _R = TypeVar("_R", bound="StageResult")
@@ -102,7 +103,7 @@ class StageContext:
         keep the stage's report as `report.md` of its MLflow run (the same text as its KFP
         Markdown artifact)."""
         if result.report and name in self._runs:
-            self.tracker.client.log_text(self._runs[name], result.report, "report.md")
+            self.tracker.client.log_text(self._runs[name], redact(result.report), "report.md")
         seconds = time.monotonic() - self._started.get(name, time.monotonic())
         took = f"{seconds:.1f}" if seconds < 10 else f"{seconds:.0f}"
         print(f"kubellm: {shown or name} done in {took}s: {result.headline}", flush=True)

@@ -9,6 +9,7 @@ from kubellm import backends
 from kubellm.backends.base import TrainJob
 from kubellm.config import PipelineConfig, pipeline_config
 from kubellm.evaluate.tasks import load_task
+from kubellm.redact import redact
 from kubellm.stages.configs import data_spec
 from kubellm.stages.context import (
     JobPlan,
@@ -81,7 +82,7 @@ def run(params: dict[str, Any], kfp_run_id: str) -> Result:
                 "Preflight",
                 [
                     ("platform", cfg.platform),
-                    ("MLflow", cfg.mlflow_tracking_uri),
+                    ("MLflow", redact(cfg.mlflow_tracking_uri)),
                     ("parent run", parent),
                     ("processes", f"{cfg.num_nodes} x {cfg.nproc_per_node}"),
                     ("fabric", cfg.fabric),
