@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+# `pip install .` or `pip install "./[s3,gcs]"` (hadolint's DL3013 takes ".[...]" for an
+# unpinned package, "./[...]" for the path it is): kubellm from the copied source
+SOURCE_INSTALL = re.compile(r'\s"?\./?(\[(?P<extras>[a-z0-9,]+)\])?"?(\s|$)')
+
 REPO = Path(__file__).resolve().parents[2]
 CONTAINERS = REPO / "containers"
 HADOLINT_CONFIG = CONTAINERS / ".hadolint.yaml"
@@ -252,6 +256,12 @@ def test_every_stage_declares_the_args_it_uses() -> None:
     assert undeclared_args(read()) == []
 
 
+def test_the_runtime_image_reads_s3_and_gcs_data() -> None:
+    runs_ = [i.args for i in image_instructions(read(), "runtime") if i.keyword == "RUN"]
+    extras = [m["extras"] for r in runs_ if (m := SOURCE_INSTALL.search(r))]
+    assert extras and {"s3", "gcs"} <= set(extras[0].split(",")), extras
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_installs_kubellm_from_source_with_a_pinned_torch(target: str) -> None:
     instructions = image_instructions(read(), target)
@@ -259,7 +269,7 @@ def test_installs_kubellm_from_source_with_a_pinned_torch(target: str) -> None:
     for path in ("pyproject.toml", "README.md", "src"):
         assert path in copies.split(), f"{target} does not copy {path}"
     run_args = [ins.args for ins in instructions if ins.keyword == "RUN"]
-    assert any("pip install" in r and re.search(r"\s\.(\s|$)", r) for r in run_args), (
+    assert any("pip install" in r and SOURCE_INSTALL.search(r) for r in run_args), (
         f"{target} does not pip install the copied source"
     )
     # torch first from its own index, then again (same pin) with kubellm.
@@ -284,7 +294,7 @@ def test_kubellm_install_is_the_same_in_every_image() -> None:
             (i.keyword, i.args)
             for i in image_instructions(read(), target)
             if i.keyword == "COPY"
-            or (i.keyword == "RUN" and "pip install" in i.args and " ." in i.args)
+            or (i.keyword == "RUN" and "pip install" in i.args and SOURCE_INSTALL.search(i.args))
         ]
 
     assert install("runtime") == install("serving") == install("trainer")

@@ -118,3 +118,31 @@ def test_local_paths_file_uris_and_object_stores_still_work(tmp_path: Path) -> N
     for uri in ("s3://b/x.jsonl", "gs://b/x", "gcs://b/x", "abfs://c/x", "memory://x"):
         assert check_source(uri, "data_source") == uri.split("://")[0]
     assert check_source("https://h/x", "eval_data", allow_http=True) == "https"
+
+
+@pytest.mark.parametrize(
+    ("uri", "module", "extra"),
+    [
+        ("s3://b/x.jsonl", "s3fs", "s3"),
+        ("gs://b/x.jsonl", "gcsfs", "gcs"),
+        ("abfs://c/x", "adlfs", "azure"),
+    ],
+)
+def test_an_object_store_without_its_package_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, uri: str, module: str, extra: str
+) -> None:
+    import importlib
+    import sys
+
+    registry = importlib.import_module("fsspec.registry")._registry  # classes imported so far
+    monkeypatch.setitem(sys.modules, module, None)  # not installed, whatever this venv has
+    for protocol in ("s3", "gs", "gcs", "abfs"):
+        monkeypatch.delitem(registry, protocol, raising=False)
+    with pytest.raises(DataError) as err:
+        prepare(_params(uri), tmp_path / "out")
+    assert str(err.value) == (
+        f"data_source {uri!r}: reading {uri.split(':')[0]}:// needs {module}, not installed "
+        f"(pip install 'kubellm[{extra}]')"
+    )
+    with pytest.raises(DataError, match=rf"eval_data .*kubellm\[{extra}\]"):
+        load_task(uri)

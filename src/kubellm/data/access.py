@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
+import fsspec
 from fsspec.core import split_protocol
 
 from kubellm.data.records import DataError
@@ -35,6 +37,34 @@ _ACCEPTED = (
     "a local path, file://, s3://, gs://, gcs:// or abfs:// (http://, https:// and hf:// "
     "with allow_http_sources=true)"
 )
+
+
+# The package each object store needs, and the kubellm extra that installs it
+FILESYSTEMS = {
+    "s3": ("s3fs", "s3"),
+    "s3a": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"),
+    "gcs": ("gcsfs", "gcs"),
+    "abfs": ("adlfs", "azure"),
+    "abfss": ("adlfs", "azure"),
+    "az": ("adlfs", "azure"),
+}
+
+
+def open_filesystem(value: str, what: str) -> tuple[Any, str]:
+    """fsspec's (filesystem, path) for `value`; a filesystem whose package is not installed
+    is one DataError line naming the extra that installs it (fsspec raises ImportError)."""
+    try:
+        return fsspec.core.url_to_fs(value)
+    except ImportError as err:
+        raise DataError(missing_filesystem(value, what, err)) from None
+
+
+def missing_filesystem(value: str, what: str, err: ImportError) -> str:
+    protocol = split_protocol(value)[0] or "file"
+    package, extra = FILESYSTEMS.get(protocol, (str(err.name or "its fsspec package"), ""))
+    how = f"pip install 'kubellm[{extra}]'" if extra else f"pip install {package}"
+    return f"{what} {value!r}: reading {protocol}:// needs {package}, not installed ({how})"
 
 
 def check_source(value: str, what: str, allow_http: bool = False) -> str | None:

@@ -34,14 +34,13 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-import fsspec
 import pyarrow as pa
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 import zstandard
 
 from kubellm.config import DataFormat, OnError, Template, TextMode
-from kubellm.data.access import check_local, check_source
+from kubellm.data.access import check_local, check_source, open_filesystem
 from kubellm.data.records import Counts, DataError, Record, TextBatch
 from kubellm.data.synthetic import arithmetic_records
 from kubellm.data.templates import ChatFormat, Segment, check_messages, prompt_response_messages
@@ -212,7 +211,7 @@ def _resolve(part: str, allow_http: bool = False) -> list[_File]:
     """Files of one source part: a file, a glob, or a directory walked recursively; the part
     and every local file it finds checked against what a source may name (access.py)."""
     local = check_source(part, "data_source", allow_http) is None
-    fs, path = fsspec.core.url_to_fs(part)
+    fs, path = open_filesystem(part, "data_source")
     uri = "://" in part or "::" in part
     relative = not uri and not os.path.isabs(part)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import fsspec
 
-from kubellm.data.access import check_source
+from kubellm.data.access import check_source, missing_filesystem
 from kubellm.data.records import DataError
 from kubellm.data.templates import ChatFormat, check_messages
 
@@ -78,6 +78,8 @@ def load_task(
                     break
     except FileNotFoundError:
         raise DataError(f"eval_data {uri} does not exist") from None
+    except ImportError as err:  # an object store whose fsspec package is not installed
+        raise DataError(missing_filesystem(uri, "eval_data", err)) from None
     if not examples:
         raise DataError(f"eval_data {uri} has no prompt/answer records")
     return examples
