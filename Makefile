@@ -97,8 +97,36 @@ bench-train: $(STAMP) ## Training tokens/s: kubellm.train vs HF Trainer and a mi
 	$(BIN)/python -m bench.train_bench --repeats 3 --out docs/benchmarks-train.md $(ARGS)
 
 .PHONY: gpu-check
-gpu-check: $(STAMP) ## GPU node check, every GPU: NCCL busbw, DDP + FSDP2 train/export/generate, exact resume
-	$(BIN)/python -m bench.gpu_check --device cuda --out runs/gpu-check.md $(ARGS)
+gpu-check: $(STAMP) ## GPU check (venv): versions + matmul, DDP/FSDP2 + exact resume + export, LoRA+compile, d12 MFU, NCCL
+	$(BIN)/python bench/gpu_check.py --out runs/gpu-check $(ARGS)
+
+# The wheels the training path imports at module level that the borrowed GPU machine's image
+# lacks (kubellm.config: pydantic; kubellm.data.sources: zstandard), pinned as in the venv,
+# for its python3.12 on x86-64. They are unzipped (all an install of a wheel needs for
+# import), not pip-installed: pip --target does not install across Python versions. The
+# device command: PYTHONPATH=src:$(GPU_BUNDLE)/site python3 bench/gpu_check.py --out $$OUT,
+# with $(GPU_BUNDLE) in the device tool's carry list (64 MiB per run, working tree included).
+# zstandard's cffi backend (12 MiB) goes: on CPython it imports its C backend.
+GPU_BUNDLE ?= .gpu-bundle
+GPU_BUNDLE_WHEELS ?= pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 zstandard==0.25.0
+GPU_BUNDLE_PYTHON ?= python3
+
+.PHONY: gpu-bundle
+gpu-bundle: ## Wheels the GPU image lacks (pydantic, zstandard) unzipped into .gpu-bundle/site; fails at >= 64 MiB
+	@set -euo pipefail; rm -rf $(GPU_BUNDLE); mkdir -p $(GPU_BUNDLE)/wheels $(GPU_BUNDLE)/site; \
+	$(GPU_BUNDLE_PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d $(GPU_BUNDLE)/wheels $(GPU_BUNDLE_WHEELS); \
+	for w in $(GPU_BUNDLE)/wheels/*.whl; do $(GPU_BUNDLE_PYTHON) -m zipfile -e "$$w" $(GPU_BUNDLE)/site; done; \
+	rm -rf $(GPU_BUNDLE)/wheels $(GPU_BUNDLE)/site/zstandard/_cffi.*.so; \
+	$(GPU_BUNDLE_PYTHON) -c 'import os, subprocess, sys; \
+	size = lambda paths: sum(os.path.getsize(p) for p in paths if os.path.isfile(p)); \
+	site = [os.path.join(d, f) for d, _, fs in os.walk(sys.argv[1]) for f in fs]; \
+	tree = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], capture_output=True, text=True).stdout.split("\0"); \
+	b, t, limit = size(site), size(tree), 64 << 20; \
+	print(f"gpu-bundle: {sys.argv[1]} {b / 2**20:.1f} MiB ({len(site)} files); with the working tree ({t / 2**20:.1f} MiB) {(b + t) / 2**20:.1f} MiB of the 64 MiB a device run carries"); \
+	sys.exit(f"gpu-bundle: too big (>= 64 MiB)") if b >= limit or b + t >= limit else None' $(GPU_BUNDLE)/site
 
 CRDS_DIR := tests/fixtures/crds
 

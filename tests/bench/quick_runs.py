@@ -36,7 +36,7 @@ class BenchRun:
 # (generous: alone, each takes 1-3 minutes; with the other lane running, up to ~7), whether it
 # runs alone
 HARNESSES: dict[str, tuple[str, list[str], float, bool]] = {
-    "gpu_check": ("gpu_check", ["--device", "cpu", "--quick", "--out", "gpu-check.md"], 900, False),
+    "gpu_check": ("gpu_check", ["--dry-run", "--out", "gpu-check/summary.md"], 900, False),
     "prepare": ("prepare_bench", ["--quick", "--out", "bench.md"], 900, False),
     "startup": ("startup_bench", ["--quick", "--out", "startup.md"], 900, False),
     "train": ("train_bench", ["--quick", "--out", "train.md", "--json", "train.json"], 900, False),
