@@ -289,3 +289,32 @@ def test_nccl_on_a_cpu_only_torch_says_so(
     message = str(info.value)
     assert "Torch not compiled with CUDA enabled" in message
     assert "this torch is a CPU-only build" in message and "CUDA_VISIBLE_DEVICES" not in message
+
+
+@pytest.mark.parametrize("newer", [True, False])
+def test_activation_checkpointing_uses_the_name_this_transformers_has(newer: bool) -> None:
+    """transformers renamed gradient_checkpointing_enable to activation_checkpointing_enable;
+    the GPU image's (5.17) may have only the older name."""
+    from kubellm.train.model import activation_checkpointing
+
+    calls: list[tuple[str, tuple[object, ...]]] = []
+
+    class Old:
+        def gradient_checkpointing_enable(self, kwargs: object = None) -> None:
+            calls.append(("gradient_enable", (kwargs,)))
+
+        def gradient_checkpointing_disable(self) -> None:
+            calls.append(("gradient_disable", ()))
+
+    class New(Old):
+        def activation_checkpointing_enable(self, kwargs: object = None) -> None:
+            calls.append(("activation_enable", (kwargs,)))
+
+        def activation_checkpointing_disable(self) -> None:
+            calls.append(("activation_disable", ()))
+
+    model = New() if newer else Old()
+    activation_checkpointing(model, True)
+    activation_checkpointing(model, False)
+    kind = "activation" if newer else "gradient"
+    assert calls == [(f"{kind}_enable", ({"use_reentrant": False},)), (f"{kind}_disable", ())]

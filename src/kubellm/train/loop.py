@@ -51,7 +51,14 @@ from kubellm.train import checkpoint, mfu, shards, startup
 from kubellm.train.loader import DistributedLoader
 from kubellm.train.metric_lines import format_metrics
 from kubellm.train.metrics_sink import MlflowSink
-from kubellm.train.model import build_model, export, hf_config, place, tie_weights
+from kubellm.train.model import (
+    activation_checkpointing,
+    build_model,
+    export,
+    hf_config,
+    place,
+    tie_weights,
+)
 from kubellm.train.preempt import EXIT_PREEMPTED, Preemption
 
 FORCE_DISTRIBUTED_ENV = "KUBELLM_FORCE_DISTRIBUTED"
@@ -625,7 +632,7 @@ class _Run:
         if self.cfg.lora is not None:
             model = model.merge_and_unload()  # type: ignore[operator]
         if self.cfg.activation_checkpointing:
-            model.activation_checkpointing_disable()  # type: ignore[operator]
+            activation_checkpointing(model, False)
         model.config.use_cache = True  # type: ignore[union-attr]  # generation uses the cache
         # floating-point tensors only (`Module.to`); after the LoRA merge, made in float32
         dtype = EXPORT_DTYPES[self.cfg.export_dtype]

@@ -101,7 +101,7 @@ def build_model(cfg: TrainConfig, tokenizer: Any, *, meta: bool | None = None) -
     # cache each forward (and recompiles per layer under `compile`). export() turns it on.
     model.config.use_cache = False
     if cfg.activation_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+        activation_checkpointing(model, True)
     if cfg.lora is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -197,6 +197,20 @@ def _constant_buffers() -> dict[str, Any]:
     if "forward_sync_buffers" in params:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
+
+
+def activation_checkpointing(model: Any, on: bool) -> None:
+    """Turn activation checkpointing on (non-reentrant) or off. transformers' newer
+    `activation_checkpointing_enable` where it has it, else `gradient_checkpointing_enable`,
+    the older name of the same switch (the GPU image's transformers may predate the new)."""
+    verb = "enable" if on else "disable"
+    switch = getattr(model, f"activation_checkpointing_{verb}", None)
+    if switch is None:
+        switch = getattr(model, f"gradient_checkpointing_{verb}")
+    if on:
+        switch({"use_reentrant": False})
+    else:
+        switch()
 
 
 def _fully_shard(
