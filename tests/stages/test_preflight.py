@@ -54,10 +54,10 @@ def test_a_bad_eval_data_file_fails_preflight_naming_file_and_line(tmp_path: Pat
         ({"min_busbw_gbps": 40.5}, ["--min-busbw-gbps", "40.5"]),
         (
             {"platform": "kubernetes", "gpus_per_node": 2, "fabric": "roce"},
-            ["--require-rdma"],
+            ["--require-gpu", "--require-rdma"],
         ),
         # locally there is no RDMA to require; the profile is for the cluster's pods
-        ({"platform": "local", "gpus_per_node": 2, "fabric": "rdma-ib"}, []),
+        ({"platform": "local", "gpus_per_node": 2, "fabric": "rdma-ib"}, ["--require-gpu"]),
     ],
 )
 def test_fabric_check_flags_follow_the_parameters(params: dict[str, Any], args: list[str]) -> None:

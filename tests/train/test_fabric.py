@@ -542,3 +542,26 @@ def test_torchrun_reports_the_memlock_limit_and_without_rdma_between_nodes_passe
     limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
     want = -1.0 if limit == UNLIMITED else float(limit // 1024)
     assert parse_metrics(torchrun["pass"].stdout)["memlock_soft_kib"] == want
+
+
+def test_require_gpu_fails_before_the_process_group_when_cuda_is_unusable(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Preflight's check for a run with gpus_per_node > 0 (issue 22): before, a pod whose
+    driver was too old passed it over gloo, and only training stopped."""
+    assert not fabric.torch.cuda.is_available()  # this machine: a CPU-only torch
+    assert fabric.main(["--require-gpu"]) == 2
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("fabric: FAIL: gpus_per_node > 0 asks for GPUs: no CUDA device")
+    assert "CPU-only build" in line and "\n" not in line
+
+
+def test_require_gpu_fails_when_the_node_has_fewer_gpus_than_processes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(fabric.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fabric.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert fabric.main(["--require-gpu"]) == 2
+    assert "LOCAL_RANK 1 has no GPU, 1 visible" in capsys.readouterr().out

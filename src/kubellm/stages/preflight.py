@@ -28,9 +28,10 @@ class Result(StageResult):
 
 
 def fabric_args(cfg: PipelineConfig) -> list[str]:
-    """The fabric check's flags: RDMA required where the fabric profile asks for it (on the
-    cluster's GPUs), and the bus-bandwidth floor when one is set."""
-    args = []
+    """The fabric check's flags: a GPU per process when the run asks for GPUs, RDMA
+    required where the fabric profile asks for it (on the cluster's GPUs), and the
+    bus-bandwidth floor when one is set."""
+    args = ["--require-gpu"] if cfg.gpus_per_node else []  # as training will (nccl or fail)
     if cfg.fabric != "tcp" and cfg.platform == "kubernetes":
         args.append("--require-rdma")
     if cfg.min_busbw_gbps > 0:

@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from kubellm.train import gpus
+
 EXIT_NO_RDMA = 3
 EXIT_LOW_BUSBW = 4
 
@@ -500,8 +502,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="All-reduce bus bandwidth and NCCL transport check, run under torchrun.",
         epilog=(
             "Defaults on CUDA: --mib 256 --warmup 5 --iters 20; on CPU (gloo): --mib 4 "
-            "--warmup 1 --iters 5. Exit codes: 0 passed, 3 --require-rdma failed, "
-            "4 --min-busbw-gbps failed."
+            "--warmup 1 --iters 5. Exit codes: 0 passed, 2 --require-gpu failed, 3 "
+            "--require-rdma failed, 4 --min-busbw-gbps failed."
         ),
     )
     parser.add_argument("--mib", type=float, help="all-reduce message size per rank, MiB")
@@ -511,6 +513,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--require-rdma",
         action="store_true",
         help="fail (exit 3) unless NCCL moves inter-node traffic over RDMA, not TCP sockets",
+    )
+    parser.add_argument(
+        "--require-gpu",
+        action="store_true",
+        help="fail (exit 2) unless every process of the node has a CUDA device: a pipeline "
+        "with gpus_per_node > 0 (not a silent fallback to gloo on the CPU)",
     )
     parser.add_argument(
         "--min-busbw-gbps",
@@ -552,6 +560,15 @@ def _time_allreduce(x: torch.Tensor, warmup: int, iters: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     use_cuda = torch.cuda.is_available()
+    if args.require_gpu:  # before the process group: every rank stops on its own
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        problem = (
+            gpus.cuda_unusable() if not use_cuda else gpus.too_few_gpus(local_rank, local_world)
+        )
+        if problem:
+            print(f"fabric: FAIL: gpus_per_node > 0 asks for GPUs: {problem}", flush=True)
+            return 2
     defaults = CUDA_DEFAULTS if use_cuda else CPU_DEFAULTS
     mib = float(args.mib if args.mib is not None else defaults["mib"])
     warmup = int(args.warmup if args.warmup is not None else defaults["warmup"])

@@ -47,7 +47,7 @@ from kubellm.config import ConfigError, TrainConfig, parse_overrides, validate
 from kubellm.data.artifact import load_manifest, tokenizer_dir
 from kubellm.data.records import DataError
 from kubellm.data.tokenizer import load_tokenizer
-from kubellm.train import checkpoint, mfu, shards, startup
+from kubellm.train import checkpoint, gpus, mfu, shards, startup
 from kubellm.train.loader import DistributedLoader
 from kubellm.train.metric_lines import format_metrics
 from kubellm.train.metrics_sink import MlflowSink
@@ -157,40 +157,21 @@ def check(cfg: TrainConfig, world_size: int, local_rank: int = 0, local_world: i
         )
     cuda = torch.cuda.is_available()
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if cuda else "gloo")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    shown = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
     if backend == "nccl" and not cuda:
         # A pipeline that asks for GPUs (gpus_per_node > 0) demands nccl: say why there are
         # none (torch's own reason: a CPU-only build, no driver, a driver too old, ...).
-        try:
-            torch.cuda.init()
-            why = "no device"
-        except Exception as err:  # AssertionError on a CPU-only build, else RuntimeError
-            why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        built = torch.version.cuda
-        r580 = " (CUDA 13 needs R580 or newer)" if (built or "").startswith("13.") else ""
-        hint = (
-            f"does the node's NVIDIA driver support CUDA {built}?{r580}"
-            if built
-            else "this torch is a CPU-only build"
-        )
         raise ConfigError(
-            "invalid backend='nccl': no CUDA device is visible: torch.cuda.is_available() is "
-            f"False ({why}; torch {torch.__version__}{shown}); {hint}. A pipeline with "
-            "gpus_per_node > 0 demands nccl; to train on the CPU set gpus_per_node=0 (by hand: "
-            "backend=gloo or auto)"
+            f"invalid backend='nccl': {gpus.cuda_unusable()}. A pipeline with gpus_per_node > 0 "
+            "demands nccl; to train on the CPU set gpus_per_node=0 (by hand: backend=gloo or "
+            "auto)"
         )
-    if backend == "nccl":
-        gpus = torch.cuda.device_count()
-        ranks = max(local_world, local_rank + 1)
-        if ranks > gpus:
-            cpu = ", or CUDA_VISIBLE_DEVICES= to train on the CPU" if cfg.backend == "auto" else ""
-            raise ConfigError(
-                f"invalid nproc_per_node={ranks}: LOCAL_RANK {ranks - 1} has no GPU, "
-                f"{gpus} visible{shown} for the {ranks} processes of this node "
-                f"(LOCAL_WORLD_SIZE); run one process per GPU: nproc_per_node (kubellm train "
-                f"--nproc) <= {gpus}{cpu}"
-            )
+    if backend == "nccl" and (missing := gpus.too_few_gpus(local_rank, local_world)):
+        cpu = ", or CUDA_VISIBLE_DEVICES= to train on the CPU" if cfg.backend == "auto" else ""
+        raise ConfigError(
+            f"invalid nproc_per_node={max(local_world, local_rank + 1)}: {missing}; run one "
+            f"process per GPU: nproc_per_node (kubellm train --nproc) <= "
+            f"{torch.cuda.device_count()}{cpu}"
+        )
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     bf16 = cfg.precision == "bf16" or (
         cfg.precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
