@@ -48,9 +48,9 @@ The stages (what each figure means, the anchor it is compared with: docs/benchma
    (the FLOPs of nanochat's 4x768 relu^2 MLP), 2,048-token rows, a 32,768-token BPE on the
    same corpus), bf16, one process (no torchrun: strategy single), 32 sequences per step (2
    micro-batches of 16), 40 steps eager, then 40 compiled. tokens/s: the engine's metric
-   windows after the first (warm-up and compilation left out), timed with a
-   torch.cuda.synchronize before each clock read; MFU = tokens/s x the PaLM FLOPs per token
-   (kubellm.train.mfu) over the data-sheet peak and over stage 1's matmul; peak memory
+   windows after the first (warm-up and compilation left out), which the engine ends after
+   the GPU has run their work (kubellm.train.loop.settled); MFU = tokens/s x the PaLM FLOPs
+   per token (kubellm.train.mfu) over the data-sheet peak and over stage 1's matmul; peak memory
    (max_memory_allocated). Anchors: nanochat d12 ~41 % MFU on one H100; torchtitan
    Llama3-8B 33-39 % on 8 x H100. Figures only: no MFU threshold.
 5. fabric: `torchrun -m kubellm.train.fabric` on every GPU (nccl, 256 MiB all-reduce): NCCL
@@ -465,17 +465,13 @@ def launch(plan: Plan, env: dict[str, str], *module_args: str, launcher: bool = 
     return [sys.executable, "-m", *module_args]
 
 
-def worker(
-    *args: str, deterministic: bool = False, backend: str = "", synced: bool = False
-) -> list[str]:
+def worker(*args: str, deterministic: bool = False, backend: str = "") -> list[str]:
     """The module arguments of the `_train` worker: kubellm.train's main with patches."""
     cmd = ["bench.gpu_check", "_train", *args]
     if deterministic:
         cmd.append("--deterministic")
     if backend:
         cmd += ["--compile-backend", backend]
-    if synced:
-        cmd.append("--synced-timing")
     return cmd
 
 
@@ -1377,7 +1373,7 @@ def anchor_run(
     config = ctx.work / f"anchor-{mode}.json"
     config.write_text(json.dumps(cfg, indent=2))
     backend = plan.compile_backend if compiled else ""
-    cmd = [sys.executable, "-m", *worker("--config", str(config), backend=backend, synced=True)]
+    cmd = [sys.executable, "-m", *worker("--config", str(config), backend=backend)]
     proc = run(
         cmd, child_env(plan, distributed=False), plan.timeout, ctx.logs / f"anchor-{mode}.log"
     )
@@ -1794,29 +1790,12 @@ def _gpus() -> int:
 # --- the workers: run inside torchrun / a fresh process ----------------------------------
 
 
-class _SyncedClock:
-    """`time` for kubellm.train.loop with a perf_counter that first waits for the GPU: the
-    engine's metric windows then time finished work, not work queued."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-    @staticmethod
-    def perf_counter() -> float:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-
 def train_worker(argv: list[str]) -> int:
     """`kubellm.train`'s own entry point, with what a check needs first: deterministic
-    kernels, another torch.compile backend, GPU-synced clock reads."""
+    kernels, another torch.compile backend."""
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_check _train")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--compile-backend", default="")
-    ap.add_argument("--synced-timing", action="store_true")
     ap.add_argument("--config", required=True)
     args = ap.parse_args(argv)
     import torch
@@ -1841,11 +1820,6 @@ def train_worker(argv: list[str]) -> int:
     from kubellm.process import exit_now
     from kubellm.train import loop
 
-    if args.synced_timing:
-        if not hasattr(loop, "time") or getattr(loop.time, "perf_counter", None) is None:
-            print("gpu_check: kubellm.train.loop no longer times with time.perf_counter")
-            return 2
-        loop.time = _SyncedClock()  # type: ignore[assignment]
     exit_now(loop.main(["--config", args.config]))
     return 0  # not reached
 
