@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kubellm.local_run import shown
+from kubellm.commands.local_run import shown
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,12 @@ from mlflow.tracking import MlflowClient
 from fakes.sim_cluster import WORKSPACE_PVC, SimCluster
 from kubellm.backends.local.model_server import LocalModelServer
 from kubellm.cli import main
+from kubellm.commands.promote import TAG_PROMOTED, promote
 from kubellm.config import ConfigError, pipeline_config
-from kubellm.promote import TAG_PROMOTED, promote
-from kubellm.registry import log_transformers_model, register_version
 from kubellm.serve.client import Endpoint, ask, is_ready
 from kubellm.serve.generate import complete, load_model
 from kubellm.stages.deploy import TAG_SERVING_URI
+from kubellm.tracking.registry import log_transformers_model, register_version
 from serve.tiny_model import build_tiny_model
 
 NAME = "tiny-promote"
@@ -192,7 +192,7 @@ def test_from_a_laptop_a_cluster_version_is_served_from_its_deploy_copy(
     from types import SimpleNamespace
 
     from kubellm.backends.kubernetes.workspace import PvcWorkspace
-    from kubellm.promote import _model_uri
+    from kubellm.commands.promote import _model_uri
 
     monkeypatch.setenv("KUBELLM_WORKSPACE_MOUNT", str(tmp_path / "not-mounted"))
     ws = PvcWorkspace(WORKSPACE_PVC, "promote-x")

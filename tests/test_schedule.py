@@ -14,8 +14,8 @@ import yaml
 
 from fakes.fake_kfp import API, FakeKfp, isolate_kfp_client
 from kubellm.cli import main
-from kubellm.kfp_client import version_name
-from kubellm.schedule import kfp_cron, robfig_cron_error
+from kubellm.commands.schedule import kfp_cron, robfig_cron_error
+from kubellm.kfp.client import version_name
 
 PIPELINE = Path(__file__).parents[1] / "pipelines" / "llm_train.yaml"
 NAME = "kubellm-llm-train"  # the pipeline's pipelineInfo.name: the default --name

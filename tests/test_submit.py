@@ -20,7 +20,7 @@ import yaml
 
 from fakes.fake_kfp import API, FakeKfp, isolate_kfp_client
 from kubellm.cli import main
-from kubellm.kfp_client import (
+from kubellm.kfp.client import (
     backend_version_error,
     parse_backend_version,
     resolve_token,
@@ -380,7 +380,7 @@ def test_token_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
         assert (token.value, token.path) == (value, path)
     assert resolve_token(None, {}) is None
     # in a pod, kfp's projected token file is used when nothing else is given
-    monkeypatch.setattr("kubellm.kfp_client.SA_TOKEN_PATH", str(sa))
+    monkeypatch.setattr("kubellm.kfp.client.SA_TOKEN_PATH", str(sa))
     token = resolve_token(None, {})
     assert token is not None and token.path == str(sa)
 
@@ -432,7 +432,7 @@ def test_submit_to_the_api_server_says_there_is_no_ui_link(
 ) -> None:
     """The fake stands in for ml-pipeline:8888 (its port counts as the API's)."""
     port = int(fake.url.rsplit(":", 1)[1])
-    monkeypatch.setattr("kubellm.kfp_client.API_PORTS", {port})
+    monkeypatch.setattr("kubellm.kfp.client.API_PORTS", {port})
     assert _submit("--endpoint", fake.url) == 0
     out, _ = capsys.readouterr()
     (run_id,) = fake.runs

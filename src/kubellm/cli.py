@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         "comes from --endpoint or $KFP_ENDPOINT; the bearer token from --token-file, $KFP_TOKEN "
         "or kfp's in-cluster token file (never from pipeline parameters).",
     )
-    from kubellm.kfp_client import add_kfp_args
+    from kubellm.kfp.client import add_kfp_args
 
     submit.add_argument("pipeline", help="compiled pipeline YAML")
     submit.add_argument("--run-name", default=None, help="run name (default: timestamped)")
@@ -266,19 +266,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"compiled {out}")
             return 0
         if args.command == "run":
-            from kubellm.local_run import run_local
+            from kubellm.commands.local_run import run_local
 
             return run_local(args.pipeline, parse_overrides(args.overrides, PipelineConfig))
         if args.command == "submit":
-            from kubellm.submit import submit
+            from kubellm.commands.submit import submit
 
             return submit(args)
         if args.command == "schedule":
-            from kubellm.schedule import schedule
+            from kubellm.commands.schedule import schedule
 
             return schedule(args)
         if args.command == "render":
-            from kubellm.render import RUN_ID, render
+            from kubellm.commands.render import RUN_ID, render
 
             overrides = parse_overrides(args.overrides, PipelineConfig)
             print(render(overrides, args.run_id or RUN_ID), end="")
@@ -290,14 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "evaluate":
             return _evaluate(args.model_dir, args.dataset_dir)
         if args.command == "lineage":
-            from kubellm.lineage import show
+            from kubellm.commands.lineage import show
             from kubellm.tracking import check_reachable
 
             check_reachable(args.tracking_uri)
             print(show(args.tracking_uri, args.model, args.json), end="")
             return 0
         if args.command == "promote":
-            from kubellm.promote import promote_cli
+            from kubellm.commands.promote import promote_cli
 
             overrides = parse_overrides(args.overrides, PipelineConfig)
             if args.local:

@@ -140,7 +140,7 @@ def run_pipeline(
 ) -> tuple[str, str]:
     """kfp.local runs the committed YAML (as `kubellm run --local` does, without forcing
     platform=local) behind the KFP runtime's fake (`python -m fakes.kfp_runtime`, which
-    wraps kubellm.local_run's child; `runner`, MODULE:FUNCTION, runs each task's process);
+    wraps kubellm.commands.local_run's child; `runner`, MODULE:FUNCTION, runs each task's process);
     returns (the summary report, the output)."""
     cfg = pipeline_config(overrides)
     arguments = {k: getattr(cfg, k) for k in overrides}  # typed as the pipeline declares

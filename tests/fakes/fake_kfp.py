@@ -89,7 +89,7 @@ from google.protobuf import json_format
 from kfp.kubernetes import kubernetes_executor_config_pb2
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-from kubellm.schedule import robfig_cron_error
+from kubellm.commands.schedule import robfig_cron_error
 
 from .http_fake import JsonHandler, LoopbackFake
 
@@ -189,7 +189,7 @@ def isolate_kfp_client(monkeypatch: Any, tmp_path: Any) -> None:
     monkeypatch.setattr(
         "kfp.client.client.Client._LOCAL_KFP_CONTEXT", str(tmp_path / "kfp" / "context.json")
     )
-    monkeypatch.setattr("kubellm.kfp_client.SA_TOKEN_PATH", str(tmp_path / "no-sa-token"))
+    monkeypatch.setattr("kubellm.kfp.client.SA_TOKEN_PATH", str(tmp_path / "no-sa-token"))
 
 
 def _now() -> str:

@@ -434,7 +434,7 @@ def run_pipeline(
     fails (no task starts), else 0 (a failed task shows in the summary, as with kfp.local)."""
     import os
 
-    from kubellm.local_run import _execute
+    from kubellm.commands.local_run import _execute
 
     docs = list(yaml.safe_load_all(Path(pipeline_yaml).read_text()))  # + platform spec
     info = next(

@@ -14,8 +14,8 @@ import yaml
 
 from fakes.k8s_schemas import crds_dir, validators
 from kubellm.cli import main
+from kubellm.commands.render import objects
 from kubellm.config import pipeline_config
-from kubellm.render import objects
 
 KUBERNETES_VERSION = "1.30"
 PLURALS = {

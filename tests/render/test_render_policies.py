@@ -14,8 +14,8 @@ import pytest
 from manifests.checkov_check import checkov_failures
 from manifests.psa import psa_violations
 
+from kubellm.commands.render import objects, render
 from kubellm.config import pipeline_config
-from kubellm.render import objects, render
 
 GPU = {"gpus_per_node": 8, "nproc_per_node": 8, "batch_size": 64}
 RDMA = {**GPU, "fabric": "rdma-ib"}

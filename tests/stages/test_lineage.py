@@ -7,8 +7,8 @@ import json
 import pytest
 
 from kubellm.cli import main
+from kubellm.commands.lineage import lineage
 from kubellm.config import ConfigError
-from kubellm.lineage import lineage
 from kubellm.stages.context import StageContext
 from stages.conftest import RUN, Chain
 

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from kubellm import __version__
-from kubellm.registry import TAG_LOGGED_MODEL, download_hf_dir
 from kubellm.serve.generate import complete, load_model
 from kubellm.stages import register
 from kubellm.stages.context import StageContext
+from kubellm.tracking.registry import TAG_LOGGED_MODEL, download_hf_dir
 from stages.conftest import RUN, Chain, side_context
 
 

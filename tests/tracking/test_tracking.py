@@ -9,10 +9,10 @@ from mlflow.tracking import MlflowClient
 
 from kubellm.backends import resolve
 from kubellm.config import PipelineConfig
-from kubellm.registry import download_hf_dir
 from kubellm.stages import register
 from kubellm.stages.context import StageContext, open_tracker
 from kubellm.tracking import SUPPRESS_RUN_URL_ENV, TAG_KFP_RUN, TAG_PARENT, TAG_STAGE
+from kubellm.tracking.registry import download_hf_dir
 from tracking.mlflow_server import MlflowServer
 
 FINGERPRINT = "sha256:0123abcd"

@@ -9,15 +9,20 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubellm.config import LoraSettings, ModelConfig, PipelineConfig, TrainConfig
-from kubellm.data.prepare import PrepareParams
-from kubellm.data.sources import source_stamp
+
+if TYPE_CHECKING:
+    # the data library (pyarrow, tokenizers, transformers) is the [train] extra's; the
+    # core (`kubellm render`, `kubellm submit`) imports this module without it
+    from kubellm.data.prepare import PrepareParams
 
 
 def prepare_params(cfg: PipelineConfig) -> PrepareParams:
     """The data stage's slice of the pipeline parameters."""
+    from kubellm.data.prepare import PrepareParams
+
     return PrepareParams(
         source=cfg.data_source,
         format=cfg.data_format,
@@ -45,6 +50,8 @@ def data_spec(cfg: PipelineConfig) -> str:
     (size, mtime or ETag). Two runs with the same data reuse the dataset on a cluster;
     new files at the same URI make a new key. Nothing run-specific (no run id, no
     training setting) belongs here, or nothing would ever be reused."""
+    from kubellm.data.sources import source_stamp
+
     params = asdict(prepare_params(cfg))
     spec = {"params": params, "source_stamp": source_stamp(cfg.data_source, cfg.allow_http_sources)}
     if params["tokenizer"] and Path(params["tokenizer"]).exists():  # a local tokenizer folder
@@ -54,6 +61,8 @@ def data_spec(cfg: PipelineConfig) -> str:
 
 def spec_params(spec: str) -> PrepareParams:
     """The PrepareParams a data_spec carries."""
+    from kubellm.data.prepare import PrepareParams
+
     return PrepareParams(**json.loads(spec)["params"])
 
 

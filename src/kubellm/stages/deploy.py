@@ -1,7 +1,7 @@
 """The deploy stage: serve a registered model version, fetched from the registry, and wait
 until it answers readiness.
 
-What is served is the registry's copy of the version (kubellm.registry), never a run's
+What is served is the registry's copy of the version (kubellm.tracking.registry), never a run's
 workspace folder, so `kubellm promote` (a rollback) deploys an older version by the same
 code: `registry_model_uri` then `serve_request` then the platform's Server.
 
@@ -20,9 +20,9 @@ from mlflow.tracking import MlflowClient
 
 from kubellm.backends.base import Rollout, ServeRequest, ServeResources, Workspace
 from kubellm.config import PipelineConfig
-from kubellm.registry import download_hf_dir, get_version, is_object_store
 from kubellm.serve.layout import WEIGHTS_DIR
 from kubellm.stages.context import StageContext, StageResult, markdown_table
+from kubellm.tracking.registry import download_hf_dir, get_version, is_object_store
 
 # The model version remembers where it was last served from (promote on a cluster reuses it).
 TAG_SERVING_URI = "kubellm.serving_uri"
@@ -79,7 +79,7 @@ def registry_model_uri(ws: Workspace, client: MlflowClient, mv: Any) -> str:
 
     With a workspace PVC (the server runs in the cluster), a version stored in an object store
     (s3://, gs://) is given to KServe as is: its `model/` folder, a complete Hugging Face
-    directory (kubellm.registry logs the tokenizer files there too), which KServe's storage
+    directory (kubellm.tracking.registry logs the tokenizer files there too), which KServe's storage
     initializer copies to /mnt/models for either runtime. Any other store
     (mlflow-artifacts:/ behind the tracking server, file://) is downloaded here, as a Hugging
     Face directory, into the workspace (`serve/v<version>`), and served from there: a local

@@ -93,7 +93,7 @@ def champion_on(
     mv = ctx.tracker.champion(ctx.cfg.model_name)
     if mv is None:
         return ChampionScore(None, "no champion yet")
-    from kubellm.registry import download_hf_dir
+    from kubellm.tracking.registry import download_hf_dir
 
     with tempfile.TemporaryDirectory(prefix="champion-") as tmp:
         # a Hugging Face directory whichever layout the version was registered in

@@ -1,5 +1,6 @@
-"""The register stage: the model logged once as an MLflow transformers model (kubellm.registry
-describes the layout) and registered as a new version with its lineage, alias `challenger`.
+"""The register stage: the model logged once as an MLflow transformers model
+(kubellm.tracking.registry describes the layout) and registered as a new version with its
+lineage, alias `challenger`.
 
 Serving, promotion and the champion's evaluation load that version from the registry, never
 from a run's workspace folder.
@@ -11,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubellm import __version__
-from kubellm.registry import log_transformers_model, register_version
 from kubellm.stages.context import StageContext, StageResult, markdown_table
 from kubellm.tracking import CHALLENGER, TAG_FINGERPRINT, TAG_KFP_RUN, TAG_RECIPE_FINGERPRINT
+from kubellm.tracking.registry import log_transformers_model, register_version
 
 # The MLflow model's input example: any prompt is valid input; this is the default corpus's.
 INPUT_EXAMPLE = "12+7="

@@ -709,7 +709,7 @@ class KubeClient:
                 )
                 uid = (obj.get("metadata") or {}).get("uid")
                 if follow_logs:
-                    logs = PodLogs(self, namespace, follow_logs, log_container, say, res, uid)
+                    logs = PodLogs(self, namespace, follow_logs, log_container, say, res.kind, uid)
                     logs.start()
                 if pod_watch:
                     watcher = _PodWatcher(self, namespace, pod_watch, res, uid, say)

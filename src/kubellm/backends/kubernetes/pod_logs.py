@@ -12,9 +12,9 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import urllib3
 from kubernetes.client.rest import ApiException
@@ -27,8 +27,31 @@ from kubellm.backends.kubernetes.responses import (
     interrupt,
 )
 
-if TYPE_CHECKING:
-    from kubellm.backends.kubernetes.client import CustomResource, KubeClient
+
+class LogSource(Protocol):
+    """What PodLogs asks of the Kubernetes client (kubellm.backends.kubernetes.client's
+    KubeClient is the one there is). Typed here, so that this module does not import
+    client.py, which imports it to follow a job's logs."""
+
+    request_timeout_s: float
+
+    @property
+    def core(self) -> Any: ...  # kubernetes.client.CoreV1Api
+
+    def events(
+        self,
+        lister: Lister,
+        selector: dict[str, str],
+        deadline: float | Callable[[], float],
+        stopped: Callable[[], bool] = ...,
+        on_open: Callable[[Any], None] | None = None,
+    ) -> Iterator[Any]: ...
+
+    def pause(self, failures: int, deadline: float, stopped: Callable[[], bool] = ...) -> None: ...
+
+    def pod_log(
+        self, namespace: str, label_selector: str, container: str | None = None
+    ) -> tuple[str, str]: ...
 
 
 def not_started(e: ApiException) -> bool:
@@ -62,12 +85,12 @@ class PodLogs:
 
     def __init__(
         self,
-        kube: KubeClient,
+        kube: LogSource,
         namespace: str,
         selector: str,
         container: str | None,
         echo: Callable[[str], None],
-        owner: CustomResource,
+        owner_kind: str,
         owner_uid: str | None,
     ) -> None:
         self.kube = kube
@@ -75,7 +98,7 @@ class PodLogs:
         self.selector = selector
         self.container = container
         self.echo = echo
-        self.owner_kind = owner.kind
+        self.owner_kind = owner_kind
         self.owner_uid = owner_uid
         self._lock = threading.Lock()
         self._segments: dict[tuple[str, int], Segment] = {}  # in the order they started

@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from kubellm.config import ConfigError
-from kubellm.kfp_client import (
+from kubellm.kfp.client import (
     connect,
     kfp_errors,
     pipeline_arguments,

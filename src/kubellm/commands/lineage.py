@@ -15,7 +15,6 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from kubellm.config import ConfigError
-from kubellm.registry import get_version
 from kubellm.tracking import (
     CHAMPION,
     TAG_FINGERPRINT,
@@ -24,6 +23,7 @@ from kubellm.tracking import (
     TAG_STAGE,
     Tracker,
 )
+from kubellm.tracking.registry import get_version
 
 
 def resolve(client: MlflowClient, ref: str) -> Any:

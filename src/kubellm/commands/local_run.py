@@ -67,7 +67,8 @@ def run_local(
     print(f"kubellm: running {path} locally; full log: {log_path}", file=out, flush=True)
     before = set(root.iterdir())
     started = time.monotonic()
-    cmd = [sys.executable, "-m", "kubellm.local_run", str(path), str(root), json.dumps(arguments)]
+    module = "kubellm.commands.local_run"
+    cmd = [sys.executable, "-m", module, str(path), str(root), json.dumps(arguments)]
     # component subprocesses run `python3 ...`: make it this environment's python
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     with open(log_path, "w") as log:

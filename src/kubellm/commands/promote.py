@@ -25,9 +25,9 @@ from kubellm.backends import resolve, select
 from kubellm.backends.base import Workspace, workspace_mount
 from kubellm.config import ConfigError, PipelineConfig, pipeline_config
 from kubellm.evaluate.gate import REJECT
-from kubellm.registry import TAG_GATE, TAG_GATE_REASON, get_version, is_object_store
 from kubellm.stages.deploy import TAG_SERVING_URI, registry_model_uri, serve_request
 from kubellm.tracking import CHAMPION, champion_of, check_reachable
+from kubellm.tracking.registry import TAG_GATE, TAG_GATE_REASON, get_version, is_object_store
 
 TAG_PROMOTED = "kubellm.promoted"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kubellm.kfp_client import connect, kfp_errors, pipeline_arguments, run_link
+from kubellm.kfp.client import connect, kfp_errors, pipeline_arguments, run_link
 
 
 def submit(args: argparse.Namespace) -> int:
