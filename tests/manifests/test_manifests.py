@@ -144,6 +144,7 @@ ENFORCE_LEVELS = {
     "base": "baseline",
     "overlays/single-node": "baseline",
     "overlays/rdma": "privileged",
+    "overlays/restricted-egress": "baseline",
 }
 KATIB_INJECTION_LABEL = "katib.kubeflow.org/metrics-collector-injection"
 
@@ -354,7 +355,7 @@ def granted_by_name(role: dict[str, Any]) -> dict[tuple[str, str], dict[str, fro
 def test_the_expected_manifests_are_shipped() -> None:
     assert set(KUSTOMIZATIONS) == set(ENFORCE_LEVELS)
     assert "README.md" in {p.name for p in MANIFESTS.iterdir()}
-    for overlay in ("rdma", "single-node"):
+    for overlay in ("rdma", "single-node", "restricted-egress"):
         assert (MANIFESTS / "overlays" / overlay / "README.md").is_file(), overlay
 
 
@@ -599,8 +600,11 @@ def test_mlflow_server() -> None:
     assert image == "ghcr.io/mlflow/mlflow"
     assert tag.startswith("v3."), f"MLflow image {tag!r} is not a pinned 3.x tag"
 
-    argv = container["command"] + container["args"]
-    assert argv[:2] == ["mlflow", "server"]
+    # sh -c '... exec mlflow server "$@"' mlflow <args>: the script sets the auth app's
+    # secret key, then the arguments go to `mlflow server` (test_mlflow_runs_with_auth).
+    command = container["command"]
+    assert command[:2] == ["sh", "-c"] and command[2].endswith('exec mlflow server "$@"')
+    argv = ["mlflow", "server", *container["args"]]
     for flag in (
         "--host=0.0.0.0",
         "--port=5000",
@@ -623,6 +627,51 @@ def test_mlflow_server() -> None:
     assert volumes[mounts["/mlflow"]]["persistentVolumeClaim"]["claimName"] == "mlflow-data"
     assert "emptyDir" in volumes[mounts["/tmp"]], "a read-only root needs a writable /tmp"
     assert pod["automountServiceAccountToken"] is False
+
+
+@needs_kubectl
+def test_mlflow_runs_with_auth_from_the_pipelines_secret() -> None:
+    """The server runs MLflow's basic-auth app; its admin is the user the pipeline's pods
+    log in as: the same Secret and keys as podspec.MLFLOW_SECRET_ENV (which
+    pipelines/llm_train.py and the job pods load). tests/tracking/test_mlflow_auth.py runs
+    this command for real."""
+    import configparser
+
+    from kubellm.backends.kubernetes.podspec import MLFLOW_SECRET, MLFLOW_SECRET_ENV
+
+    objects = render("base")
+    pod = named(objects, "Deployment", "mlflow")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "--app-name=basic-auth" in container["args"]
+    assert 'exec mlflow server "$@"' in container["command"][2]
+    assert "MLFLOW_FLASK_SERVER_SECRET_KEY" in container["command"][2]
+    env = {e["name"]: e for e in container["env"]}
+    for server_env, client_env in (
+        ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_TRACKING_USERNAME"),
+        ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_TRACKING_PASSWORD"),
+    ):
+        ref = env[server_env]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": MLFLOW_SECRET, "key": MLFLOW_SECRET_ENV[client_env]}, ref
+        assert not ref.get("optional"), f"{server_env}: the server must not start without it"
+
+    # the auth config: a mounted ConfigMap, its database on the data volume (a restart
+    # keeps the users), READ for users nobody granted more
+    path = Path(env["MLFLOW_AUTH_CONFIG_PATH"]["value"])
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    config_map = volumes[mounts[str(path.parent)]]["configMap"]["name"]
+    ini = configparser.ConfigParser()
+    ini.read_string(named(objects, "ConfigMap", config_map)["data"][path.name])
+    assert ini["mlflow"]["default_permission"] == "READ"
+    db = ini["mlflow"]["database_uri"]
+    assert db.startswith("sqlite:////mlflow/"), db
+    assert "persistentVolumeClaim" in volumes[mounts["/mlflow"]]
+    assert "admin_password" not in ini["mlflow"], "the password comes from the Secret"
+    # the probes stay unauthenticated: /health is one of the auth app's open prefixes
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+    # the plain image lacks Flask-WTF, which the auth app imports
+    assert container["image"].endswith("-full"), container["image"]
 
 
 # --------------------------------------------------------------------------- namespace, overlays

@@ -49,6 +49,24 @@ class TrackingUnavailable(RuntimeError):
     """The MLflow tracking server does not answer; the message names its URI."""
 
 
+class TrackingUnauthorized(TrackingUnavailable):
+    """The tracking server wants credentials (HTTP 401); the message names where they come
+    from. manifests/base runs MLflow's basic-auth app, whose 401 body alone does not say.
+    A TrackingUnavailable, so that `kubellm` reports it in one line (cli._error_code)."""
+
+
+def _unauthorized(uri: str, err: MlflowException) -> TrackingUnauthorized | None:
+    if err.get_http_status_code() != 401:
+        return None
+    given = os.environ.get("MLFLOW_TRACKING_USERNAME") or os.environ.get("MLFLOW_TRACKING_TOKEN")
+    why = "refuses the credentials in" if given else "needs credentials: set"
+    return TrackingUnauthorized(
+        f"MLflow tracking server {redact(uri)} {why} MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD (HTTP 401); on a cluster they come from the keys username "
+        "and password of the Secret mlflow-credentials"
+    )
+
+
 def check_reachable(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
     """Fail in seconds, naming `uri`, when an HTTP tracking server does not answer.
 
@@ -160,7 +178,10 @@ class Tracker:
             # with a password in it (kubellm.redact)
             os.environ.setdefault(SUPPRESS_RUN_URL_ENV, "true")
         client = MlflowClient(tracking_uri=tracking_uri)
-        exp = client.get_experiment_by_name(experiment_name)
+        try:
+            exp = client.get_experiment_by_name(experiment_name)
+        except MlflowException as err:
+            raise (_unauthorized(tracking_uri, err) or err) from None
         if exp is not None:
             exp_id = exp.experiment_id
         else:
