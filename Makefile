@@ -3,9 +3,18 @@ SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The CPU build of torch; an unpinned torch pulls a multi-GB CUDA build.
+# The torch the project is tested with, installed before kubellm: an unpinned torch pulls
+# a multi-GB CUDA build. torch==2.13.0 from PyPI is that CUDA build too; it is the CPU
+# build only where a local wheel shadows the index (pip's find-links on the development
+# machine). TORCH_INDEX picks where it comes from: empty, pip's configured indexes; elsewhere
+# `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu` takes PyTorch's CPU wheel.
 TORCH_PIN ?= torch==2.13.0
-STAMP := $(VENV)/.installed
+TORCH_INDEX ?=
+# The extras `make install` installs (pyproject.toml; README, "Two commands"): dev is all of
+# them plus the test tools `make test` needs.
+EXTRAS ?= dev
+# The stamp names the extras: another EXTRAS installs again.
+STAMP := $(VENV)/.installed-$(EXTRAS)
 ARGS ?=
 # `make test` runs the suite as two pytest processes side by side (tests/lanes.py; the time
 # budget is in DEVELOPERS.md); `make test LANES=0` runs it as one.
@@ -33,12 +42,12 @@ help: ## Show this help
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
-	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" -e ".[dev]"
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)") "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
 .PHONY: install
-install: $(STAMP) ## Create .venv and install kubellm with its dev tools
+install: $(STAMP) ## Create .venv with kubellm[EXTRAS] (default dev: all extras + test tools); TORCH_INDEX=URL
 
 .PHONY: run
 run: $(STAMP) ## Run the whole pipeline locally (compiled YAML, kfp.local); ARGS="--set k=v"

@@ -37,6 +37,8 @@ LANE_A = (
     "tests/test_config.py",
     "tests/test_layers.py",
     "tests/test_local_run.py",
+    # three fresh venvs, installing side by side (minutes; DEVELOPERS.md)
+    "tests/test_install.py",
 )
 PROGRESS = re.compile(r"\[\s*(\d+)%\]")
 HEARTBEAT_S = 60.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,110 @@ def test_train_on_a_bad_dataset_is_one_line_with_the_cause(tmp_path: Path) -> No
     assert f"(full log: {log})" in err[0]
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "invalid dataset_dir=" in log.read_text()
+
+
+# -- a command whose extra is not installed --------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExtraCase:
+    argv: list[str]
+    extra: str
+    missing: str  # the module made unimportable
+
+
+EXTRA_CASES = [
+    ExtraCase(["prepare", "ds"], "train", "pyarrow"),
+    ExtraCase(["train", "--dataset", "ds", "--output", "m"], "train", "torch"),
+    ExtraCase(["evaluate", "m", "ds"], "train", "transformers"),
+    ExtraCase(["serve", "m", "--port", "0"], "serve", "torch"),
+    ExtraCase(["serve", "--help"], "serve", "fastapi"),
+    ExtraCase(["run", "--local"], "local", "optuna"),
+    ExtraCase(["run", "--local"], "local", "sqlalchemy"),  # mlflow-skinny, not mlflow
+    ExtraCase(["promote", "m@1", "--local"], "local", "torch"),
+]
+
+
+@pytest.mark.parametrize("case", EXTRA_CASES, ids=lambda c: f"{c.argv[0]}-{c.missing}")
+def test_a_missing_extra_is_one_line_before_anything_runs(
+    case: ExtraCase, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, case.missing, None)  # find_spec: None, import: fails
+    assert main(case.argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        f"kubellm {case.argv[0]}: needs the [{case.extra}] extra: "
+        f"pip install 'kubellm[{case.extra}]' (No module named '{case.missing}')"
+    ]
+    assert list(tmp_path.iterdir()) == [], "the command started"
+
+
+def test_an_import_of_a_missing_extra_module_is_one_line(tmp_path: Path) -> None:
+    """The import itself fails (the probe found nothing missing): a real process, so that
+    kubellm.serve.server is imported fresh, with fastapi unimportable."""
+    code = (
+        "import sys; sys.modules['fastapi'] = None\n"
+        "import kubellm.cli as cli\n"
+        "cli.check_extra = lambda command, extra: None\n"
+        "sys.exit(cli.main(['serve', 'm']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "kubellm serve: needs the [serve] extra: pip install 'kubellm[serve]' "
+        "(No module named 'fastapi')"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("command", "name"),
+    [
+        ("serve", "kubellm.serve.nope"),  # our own module: a bug
+        ("serve", "torch._nope"),  # a submodule of an installed package
+        ("train", "yaml"),  # a core dependency, not the extra's
+        ("render", "torch"),  # a core command that reached torch: a bug
+    ],
+)
+def test_other_module_not_found_errors_keep_their_traceback(
+    command: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kubellm.cli as cli
+
+    def broken(argv: list[str]) -> int:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(cli, "check_extra", lambda command, extra: None)
+    monkeypatch.setattr(cli, "_main", broken)
+    if name == "torch":
+        monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(ModuleNotFoundError):
+        cli.main([command])
+
+
+@pytest.mark.parametrize("command", ["prepare", "train", "evaluate", "run"])
+def test_help_needs_no_extra(command: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert f"kubellm {command}" in capsys.readouterr().out
+
+
+def test_each_command_names_its_extra() -> None:
+    from kubellm.cli import EXTRA_MODULES, build_parser, command_extra
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    core = {"compile", "submit", "schedule", "render", "lineage", "promote"}
+    assert set(sub.choices) == core | {"run", "prepare", "train", "evaluate", "serve"}
+    for command in core:
+        assert command_extra(command, [command]) is None, command
+    assert command_extra("promote", ["promote", "m@1", "--local"]) == "local"
+    wanted = {"prepare": "train", "train": "train", "evaluate": "train", "serve": "serve"}
+    for command, extra in {**wanted, "run": "local"}.items():
+        assert command_extra(command, [command]) == extra
+    # [local] is [train,serve] and more: what either needs, it needs
+    assert set(EXTRA_MODULES["train"]) | set(EXTRA_MODULES["serve"]) < set(EXTRA_MODULES["local"])

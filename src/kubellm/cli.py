@@ -39,6 +39,71 @@ from kubellm.data.records import DataError
 
 DEFAULT_PIPELINE = "pipelines/llm_train.yaml"
 
+# The extras of pyproject.toml a command needs beyond the core install, each with the
+# top-level modules whose absence means it is not installed (tests/test_cli.py checks them
+# against pyproject.toml and the installed metadata). `local` probes for the full mlflow by
+# the MLflow server's and sqlite store's modules: mlflow-skinny (the core's) has `mlflow`.
+_TRAIN = ("torch", "transformers", "peft", "tokenizers", "safetensors", "numpy", "pyarrow")
+_SERVE = ("torch", "transformers", "tokenizers", "safetensors", "fastapi", "uvicorn", "starlette")
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "train": (*_TRAIN, "zstandard"),
+    "serve": _SERVE,
+    "local": (
+        *dict.fromkeys((*_TRAIN, "zstandard", *_SERVE)),
+        "optuna",
+        "sqlalchemy",
+        "alembic",
+        "flask",
+    ),
+}
+COMMAND_EXTRA = {
+    "prepare": "train",
+    "train": "train",
+    "evaluate": "train",
+    "serve": "serve",
+    "run": "local",  # run --local
+}
+
+
+class MissingExtra(Exception):
+    """A command ran where its extra is not installed: one line, exit 2."""
+
+    def __init__(self, command: str, extra: str, module: str) -> None:
+        super().__init__(
+            f"kubellm {command}: needs the [{extra}] extra: pip install 'kubellm[{extra}]' "
+            f"(No module named {module!r})"
+        )
+
+
+def command_extra(command: str, argv: list[str]) -> str | None:
+    """The extra `command` needs (None: the core install is enough)."""
+    if command == "promote" and "--local" in argv:  # serves on this machine
+        return "local"
+    return COMMAND_EXTRA.get(command)
+
+
+def check_extra(command: str, extra: str | None) -> None:
+    """Raise MissingExtra unless every module `extra` installs can be found. It imports
+    nothing; a pipeline step or torchrun worker would otherwise fail in another process."""
+    for module in EXTRA_MODULES.get(extra or "", ()):
+        if importlib.util.find_spec(module) is None:
+            raise MissingExtra(command, str(extra), module)
+
+
+def missing_extra(command: str, extra: str | None, err: ModuleNotFoundError) -> MissingExtra | None:
+    """The one-line error for an import that failed because `extra` is not installed, or
+    None: a module of kubellm or of the core, or a submodule missing from an installed
+    package, is a bug whose traceback must show."""
+    top = (err.name or "").partition(".")[0]
+    if extra is None or top not in EXTRA_MODULES.get(extra, ()):
+        return None
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return None
+    except (ImportError, ValueError):
+        pass
+    return MissingExtra(command, extra, top)
+
 
 def _add_set(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
@@ -254,6 +319,24 @@ def _evaluate(model_dir: str, dataset_dir: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), "")
+    extra = command_extra(command, argv)
+    try:
+        if not {"-h", "--help"} & set(argv) or command == "serve":
+            check_extra(command, extra)
+        return _main(argv)
+    except MissingExtra as err:
+        print(err, file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        missing = missing_extra(command, extra, err)
+        if missing is None:
+            raise
+        print(missing, file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     if argv[:1] == ["serve"]:  # its options (and --help) are kubellm.serve.server's
         from kubellm.serve.server import main as serve_main
 

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,10 +257,37 @@ def test_every_stage_declares_the_args_it_uses() -> None:
     assert undeclared_args(read()) == []
 
 
-def test_the_runtime_image_reads_s3_and_gcs_data() -> None:
-    runs_ = [i.args for i in image_instructions(read(), "runtime") if i.keyword == "RUN"]
-    extras = [m["extras"] for r in runs_ if (m := SOURCE_INSTALL.search(r))]
-    assert extras and {"s3", "gcs"} <= set(extras[0].split(",")), extras
+# What each image runs decides its extras (pyproject.toml): the steps prepare data, evaluate
+# and register models (train) on S3/GCS data; the server serves; the trainer trains.
+IMAGE_EXTRAS = {
+    "runtime": {"train", "s3", "gcs"},
+    "serving": {"serve"},
+    "trainer": {"train", "s3", "gcs"},
+}
+
+
+def installed_extras(target: str) -> list[set[str]]:
+    """The extras of each `pip install ./[...]` of the copied source in `target`'s image."""
+    found = []
+    for ins in image_instructions(read(), target):
+        if ins.keyword == "RUN" and "pip install" in ins.args:
+            m = SOURCE_INSTALL.search(ins.args)
+            if m:
+                found.append(set((m["extras"] or "").split(",")) - {""})
+    return found
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_image_installs_the_extras_of_what_it_runs(target: str) -> None:
+    assert installed_extras(target) == [IMAGE_EXTRAS[target]]
+    optional = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    assert IMAGE_EXTRAS[target] <= optional, IMAGE_EXTRAS[target] - optional
+    text = runs(image_instructions(read(), target))
+    # no MLflow server, optuna or test tools: those are [local]'s and [dev]'s
+    for package in ("mlflow", "optuna", "pytest"):
+        assert not re.search(rf"\s\"?{package}[=<>\"\s]", text), f"{target} installs {package}"
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -288,16 +316,11 @@ def test_torch_matches_the_makefile_pin() -> None:
     assert global_args(read())["TORCH_VERSION"] == pin.group(1)
 
 
-def test_kubellm_install_is_the_same_in_every_image() -> None:
-    def install(target: str) -> list[tuple[str, str]]:
-        return [
-            (i.keyword, i.args)
-            for i in image_instructions(read(), target)
-            if i.keyword == "COPY"
-            or (i.keyword == "RUN" and "pip install" in i.args and SOURCE_INSTALL.search(i.args))
-        ]
+def test_the_source_is_copied_the_same_way_in_every_image() -> None:
+    def copies(target: str) -> list[str]:
+        return [i.args for i in image_instructions(read(), target) if i.keyword == "COPY"]
 
-    assert install("runtime") == install("serving") == install("trainer")
+    assert copies("runtime") == copies("serving") == copies("trainer")
 
 
 @pytest.mark.parametrize("target", ["runtime", "serving"])
