@@ -60,6 +60,9 @@ set_pod_phase, append_log, pod_log, put_object,
 create_object, delete_object, get_object, list_objects, created, validate, history,
 drop_watches, compact; records: requests, errors, deleted, forbidden.
 
+Cluster-scoped kinds (`CLUSTER_SCOPED`: ClusterTrainingRuntime) are stored under namespace ""
+and served only at paths without /namespaces/{ns} (a namespaced path is 404).
+
 Simplifications: no namespaces as objects, no admission besides the schema and webhook
 checks (no defaulting webhooks: stored objects are what was sent), list ignores
 `limit`/`continue`/`resourceVersion` (always the latest, complete), no finalizers, graceful
@@ -120,7 +123,15 @@ RESOURCES = {
     "trials": Kind("kubeflow.org", "v1beta1", "Trial"),
     "inferenceservices": Kind("serving.kserve.io", "v1beta1", "InferenceService"),
     "pods": Kind("", "v1", "Pod"),
+    # Trainer v2 (trainer_v2.py) and JobSet with its child Jobs (jobset.py)
+    "trainjobs": Kind("trainer.kubeflow.org", "v1alpha1", "TrainJob"),
+    "clustertrainingruntimes": Kind("trainer.kubeflow.org", "v1alpha1", "ClusterTrainingRuntime"),
+    "jobsets": Kind("jobset.x-k8s.io", "v1alpha2", "JobSet"),
+    "jobs": Kind("batch", "v1", "Job"),
 }
+# Cluster-scoped kinds: stored under namespace "", served only without /namespaces/{ns}
+# (SIMPLIFIED: get, list, create, delete, replace; no watch of their own beyond the shared one).
+CLUSTER_SCOPED = frozenset({"clustertrainingruntimes"})
 # Core objects served read-only from plain dicts (`FakeK8s.config_maps` / `FakeK8s.secrets`,
 # which SimCluster shares as `sim.config_maps` / `sim.secrets`): (namespace, name) -> the
 # string data. The KFP driver and launcher GET them (fakes/kfp_runtime.py).
@@ -674,6 +685,8 @@ class FakeK8s(LoopbackFake):
     ) -> dict[str, Any]:
         """Create as a POST does (validated, on_create called); ApiError when refused."""
         kind = RESOURCES[plural]
+        if plural in CLUSTER_SCOPED:
+            namespace = ""
         with self._lock:
             return self._create(plural, kind, namespace, copy.deepcopy(body))
 
@@ -685,12 +698,16 @@ class FakeK8s(LoopbackFake):
         propagation: str = "Background",
     ) -> dict[str, Any]:
         """Delete as a DELETE does, with the garbage collector's cascade; ApiError if absent."""
+        if plural in CLUSTER_SCOPED:
+            namespace = ""
         with self._lock:
             return self._delete((plural, namespace, name), propagation)
 
     def get_object(
         self, plural: str, name: str, namespace: str = "default"
     ) -> dict[str, Any] | None:
+        if plural in CLUSTER_SCOPED:
+            namespace = ""
         with self._lock:
             obj = self._objects.get((plural, namespace, name))
             return copy.deepcopy(obj) if obj is not None else None
@@ -773,7 +790,10 @@ class FakeK8s(LoopbackFake):
         self, obj: dict[str, Any], ns: str, old: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         meta = obj.setdefault("metadata", {})
-        meta["namespace"] = ns
+        if ns:
+            meta["namespace"] = ns
+        else:  # a cluster-scoped object (rest.BeforeCreate clears the namespace)
+            meta.pop("namespace", None)
         prior = (old or {}).get("metadata") or {}
         meta.setdefault("uid", prior.get("uid") or str(uuid.uuid4()))
         meta.setdefault("creationTimestamp", prior.get("creationTimestamp") or _now())
@@ -846,6 +866,8 @@ class FakeK8s(LoopbackFake):
         kind = RESOURCES.get(r.plural)
         if kind is None or (kind.group, kind.version) != (r.group, r.version):
             raise _no_resource()
+        if r.plural in CLUSTER_SCOPED and r.namespace:
+            raise _no_resource()  # a cluster-scoped kind has no namespaced path
         if r.sub and r.sub not in SUBRESOURCES.get(r.plural, DEFAULT_SUBRESOURCES):
             raise _no_resource()
         watching = (query.get("watch") or [""])[0].lower() in ("true", "1")
@@ -856,7 +878,7 @@ class FakeK8s(LoopbackFake):
                     return 200, self._watch(kind, spec, query)
                 return 200, self._list(kind, spec)
             if method == "POST":
-                if not r.namespace:
+                if not r.namespace and r.plural not in CLUSTER_SCOPED:
                     raise ApiError(405, status_body(405, "MethodNotAllowed", "no namespace"))
                 with self._lock:
                     return 201, self._create(r.plural, kind, r.namespace, body)
@@ -864,7 +886,7 @@ class FakeK8s(LoopbackFake):
                 spec = self._watch_spec(r.plural, r.namespace, query)
                 return 200, self._delete_collection(kind, spec, _propagation(body, query))
             raise ApiError(405, status_body(405, "MethodNotAllowed", method))
-        if not r.namespace:
+        if not r.namespace and r.plural not in CLUSTER_SCOPED:
             raise _no_resource()
         key = (r.plural, r.namespace, r.name)
         if method == "GET" and watching:
@@ -1211,6 +1233,8 @@ class FakeK8s(LoopbackFake):
         if body.get("kind") != kind.kind:
             errors.append(f"kind: expected {kind.kind}")
         body_ns = (body.get("metadata") or {}).get("namespace")
+        if plural in CLUSTER_SCOPED:
+            body_ns = None  # rest.BeforeCreate clears it for a cluster-scoped kind
         if body_ns not in (None, "", ns):  # rest.BeforeCreate / BeforeUpdate
             message = (
                 "the namespace of the provided object does not match the namespace sent on "

@@ -27,6 +27,9 @@ INFERENCESERVICE_CRD = "serving.kserve.io_inferenceservices.yaml"
 # ServingRuntime; a ClusterServingRuntime has the same spec (the sim's KServe installs one).
 SERVINGRUNTIME_CRD = "serving.kserve.io_servingruntimes.yaml"
 KATIB_SWAGGER = "katib_v1beta1_swagger.json"
+TRAINJOB_CRD = "trainer.kubeflow.org_trainjobs.yaml"
+CLUSTERTRAININGRUNTIME_CRD = "trainer.kubeflow.org_clustertrainingruntimes.yaml"
+JOBSET_CRD = "jobset.x-k8s.io_jobsets.yaml"
 REQUIRED_FILES = (PYTORCHJOB_CRD, INFERENCESERVICE_CRD, KATIB_SWAGGER)
 
 # ObjectMeta fields a client may send; CRD schemas leave `metadata` to the API server.
@@ -451,6 +454,26 @@ def validators(directory: Path) -> dict[str, Validator]:
         unknown = set(body) - {"apiVersion", "kind", "metadata", "spec", "status"}
         return errors + [f"{k}: unknown field" for k in sorted(unknown)]
 
+    def trainjob(body: dict[str, Any]) -> list[str]:
+        return metadata_errors(body) + crd_check(directory / TRAINJOB_CRD, "v1alpha1")(body)
+
+    def clustertrainingruntime(body: dict[str, Any]) -> list[str]:
+        check = crd_check(directory / CLUSTERTRAININGRUNTIME_CRD, "v1alpha1")
+        return metadata_errors(body) + check(body)
+
+    def jobset(body: dict[str, Any]) -> list[str]:
+        return metadata_errors(body) + crd_check(directory / JOBSET_CRD, "v1alpha2")(body)
+
+    def job(body: dict[str, Any]) -> list[str]:
+        # No batch/v1 Job schema is vendored; the JobTemplateSpec inside the JobSet CRD is the
+        # real one (its metadata is opaque, like every CRD's).
+        root = crd_check(directory / JOBSET_CRD, "v1alpha2").schema["properties"]["spec"]
+        template = root["properties"]["replicatedJobs"]["items"]["properties"]["template"]
+        errors = metadata_errors(body)
+        errors += _pod_spec_check(template["properties"]["spec"])(body.get("spec") or {}, "spec")
+        unknown = set(body) - {"apiVersion", "kind", "metadata", "spec", "status"}
+        return errors + [f"{k}: unknown field" for k in sorted(unknown)]
+
     def trial(body: dict[str, Any]) -> list[str]:
         # Katib creates Trials (nobody else may); its OpenAPI spec names them ".v1beta1.Trial".
         check = swagger_check(directory / KATIB_SWAGGER, ".v1beta1.Trial")
@@ -462,4 +485,8 @@ def validators(directory: Path) -> dict[str, Validator]:
         "pytorchjobs": pytorchjob,
         "inferenceservices": inferenceservice,
         "experiments": experiment,
+        "trainjobs": trainjob,
+        "clustertrainingruntimes": clustertrainingruntime,
+        "jobsets": jobset,
+        "jobs": job,
     }

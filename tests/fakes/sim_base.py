@@ -32,6 +32,9 @@ PLURALS = {
     "Experiment": "experiments",
     "Trial": "trials",
     "InferenceService": "inferenceservices",
+    "TrainJob": "trainjobs",
+    "JobSet": "jobsets",
+    "Job": "jobs",
 }
 
 

@@ -13,6 +13,12 @@ pods run as local processes:
   the workers' init-pytorch init container, conditions, restartPolicy ExitCode retried
   without a bound, backoffLimit, activeDeadlineSeconds checked on events only, suspend and
   resume, TTL, cleanPodPolicy).
+- trainer_v2.py: trainer.kubeflow.org/v1alpha1 TrainJob with ClusterTrainingRuntime as
+  Trainer v2.3.0 runs it (the runtimeRef webhook, the JobSet built from the runtime template
+  and the trainer fields, the torch plugin's PET_* env, Suspended/Complete/Failed, jobsStatus).
+- jobset.py: jobset.x-k8s.io/v1alpha2 JobSet at v0.12.0 (child Jobs, failurePolicy
+  maxRestarts and restarts, success, suspend) and batch/v1 Indexed Jobs (pods per
+  completion index, JOB_COMPLETION_INDEX, backoffLimit).
 - katib_controller.py: kubeflow.org/v1beta1 Experiment and Trial (suggestions, trial jobs,
   the StdOut metrics collector, experiment conditions and currentOptimalTrial).
 - kserve_controller.py: serving.kserve.io/v1beta1 InferenceService in Knative and Standard
@@ -42,12 +48,14 @@ from typing import Any
 from kubernetes import client as k8s
 
 from .fake_k8s import FakeK8s
+from .jobset import JobController, JobSetController
 from .k8s_rbac import REPO_RBAC
 from .katib_controller import INJECTION_LABEL, Katib
 from .kserve_controller import KServe
 from .kubelet import Kubelet
 from .kueue import Kueue, KueueSettings
 from .sim_base import Controller, is_true
+from .trainer_v2 import TrainerV2
 from .training_operator import TrainingOperator
 
 WORKSPACE_PVC = "kubellm-workspace"
@@ -104,6 +112,9 @@ class SimCluster:
         self.controllers: list[Controller] = [
             self.kubelet,
             TrainingOperator(self),
+            TrainerV2(self),
+            JobSetController(self),
+            JobController(self),
             Katib(self),
             self.kserve,
         ]

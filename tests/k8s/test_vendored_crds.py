@@ -32,6 +32,7 @@ EXPECTED = {
     PYTORCHJOB_CRD,
     "trainer.kubeflow.org_trainjobs.yaml",
     "trainer.kubeflow.org_clustertrainingruntimes.yaml",
+    "jobset.x-k8s.io_jobsets.yaml",
     "kubeflow.org_experiments.yaml",
     KATIB_SWAGGER,
     INFERENCESERVICE_CRD,
