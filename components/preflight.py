@@ -92,6 +92,7 @@ def preflight(
     priority_class: str,
     queue: str,
     gang_scheduler: str,
+    trainer_backend: str,
     job_ttl_hours: int,
     job_grace_seconds: int,
     fabric: str,

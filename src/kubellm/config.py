@@ -43,6 +43,7 @@ OnError = Literal["skip", "fail"]
 TextMode = Literal["file", "line"]
 Fabric = Literal["tcp", "rdma-ib", "roce"]
 GangScheduler = Literal["kueue", "volcano"]
+TrainerBackend = Literal["pytorchjob", "trainjob"]
 TuneAlgorithm = Literal["random", "tpe", "bayesianoptimization", "grid"]
 ServingRuntime = Literal["huggingface", "custom"]
 # The dtypes both of KServe's Hugging Face backends take as `--dtype` (huggingfaceserver
@@ -659,6 +660,13 @@ class PipelineConfig(_Strict):
         "kueue",
         description="kueue: the kueue.x-k8s.io/queue-name label; volcano: the PyTorchJob's "
         "schedulingPolicy (the Training Operator must run with --gang-scheduler-name=volcano).",
+    )
+    trainer_backend: TrainerBackend = Field(
+        "pytorchjob",
+        description="How a cluster runs training: pytorchjob (Training Operator v1, "
+        "kubeflow.org/v1 PyTorchJob) or trainjob (Kubeflow Trainer v2, trainer.kubeflow.org/"
+        "v1alpha1 TrainJob on ClusterTrainingRuntime kubellm-torch, manifests/cluster/"
+        "trainer-v2), for training and preflight's fabric check; Katib trials stay PyTorchJobs.",
     )
     job_ttl_hours: int = Field(
         24, ge=0, description="Finished jobs are deleted after this many hours; 0: at once."

@@ -108,6 +108,7 @@ OPERATIONAL_FIELDS = frozenset(
         "priority_class",
         "queue",
         "gang_scheduler",
+        "trainer_backend",
         "job_ttl_hours",
         "job_grace_seconds",
         "fabric",

@@ -42,8 +42,11 @@ PART_OF = ("app.kubernetes.io/part-of", "kubellm")
 KUSTOMIZATIONS = sorted(
     p.parent.relative_to(MANIFESTS).as_posix()
     for p in MANIFESTS.rglob("kustomization.yaml")
-    if not p.parent.relative_to(MANIFESTS).as_posix().startswith("components/")
+    if not p.parent.relative_to(MANIFESTS).as_posix().startswith(("components/", "cluster/"))
 )
+# Cluster-scoped objects an administrator applies once, outside the namespace (no Role,
+# no workload): checked on their own below.
+CLUSTER_KUSTOMIZATIONS = ["cluster/trainer-v2"]
 YAML_FILES = sorted(
     p.relative_to(MANIFESTS).as_posix()
     for p in MANIFESTS.rglob("*")
@@ -99,6 +102,7 @@ CLUSTER_SCOPED_KINDS = {
 # uses but this table (and the Role) lacks fails those tests too.
 CLIENT_VERBS: dict[tuple[str, str], frozenset[str]] = {
     ("kubeflow.org", "pytorchjobs"): frozenset({"create", "get", "list", "watch", "delete"}),
+    ("trainer.kubeflow.org", "trainjobs"): frozenset({"create", "get", "list", "watch", "delete"}),
     ("kubeflow.org", "experiments"): frozenset({"create", "get", "list", "watch", "delete"}),
     ("kubeflow.org", "trials"): frozenset({"list"}),
     ("serving.kserve.io", "inferenceservices"): frozenset(
@@ -921,3 +925,24 @@ def test_a_changed_role_differs_from_the_table(change: str) -> None:
     else:
         rules.append({"apiGroups": [""], "resources": ["pods/log"], "verbs": ["list"]})
     assert granted_verbs({"rules": rules}) != CLIENT_VERBS
+
+
+@needs_kubectl
+def test_the_trainer_v2_runtime_is_cluster_scoped_and_what_the_builder_makes() -> None:
+    """manifests/cluster/trainer-v2 renders the one ClusterTrainingRuntime the TrainJobs name,
+    without a namespace (kustomize would add one under an overlay's `namespace:`), strictly
+    valid against the vendored Trainer v2.3.0 CRD, and equal to the builder's output."""
+    from fakes.k8s_schemas import crd_check, crds_dir
+    from kubellm.backends.kubernetes.trainjob import RUNTIME_NAME, training_runtime_manifest
+    from kubellm.config import PipelineConfig
+
+    (kustomization,) = CLUSTER_KUSTOMIZATIONS
+    (obj,) = render(kustomization)
+    assert (obj["kind"], obj["metadata"]["name"]) == ("ClusterTrainingRuntime", RUNTIME_NAME)
+    assert "namespace" not in obj["metadata"]
+    check = crd_check(crds_dir() / "trainer.kubeflow.org_clustertrainingruntimes.yaml", "v1alpha1")
+    assert check(obj) == []
+    built = training_runtime_manifest(image=PipelineConfig().trainer_image)
+    labels = obj["metadata"].pop("labels")
+    assert labels == {**built["metadata"].pop("labels"), PART_OF[0]: PART_OF[1]}
+    assert obj == built

@@ -2,7 +2,8 @@
 
 Stages ask for a trainer, a tuner, a server and a workspace; only this module knows that
 `local` means torchrun, optuna, a loopback ModelServer and plain directories, and that
-`kubernetes` means a PyTorchJob, a Katib Experiment, an InferenceService and a shared PVC.
+`kubernetes` means a PyTorchJob (or, with `trainer_backend=trainjob`, a Trainer v2
+TrainJob), a Katib Experiment, an InferenceService and a shared PVC.
 The implementations are imported on first use, so a local run never loads the Kubernetes
 SDKs and a cluster step never imports optuna.
 """
@@ -62,6 +63,10 @@ class Backends:
             from kubellm.backends.local.torchrun import TorchrunTrainer
 
             return TorchrunTrainer()
+        if self.cfg.trainer_backend == "trainjob":
+            from kubellm.backends.kubernetes.trainjob import TrainJobTrainer
+
+            return TrainJobTrainer(cluster=self.cluster_settings)
         from kubellm.backends.kubernetes.pytorchjob import PyTorchJobTrainer
 
         return PyTorchJobTrainer(cluster=self.cluster_settings)
