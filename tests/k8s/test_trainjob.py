@@ -301,10 +301,30 @@ def add_node_pods(fake: FakeK8s, name: str = "llm-train", nodes: int = 2) -> Non
 
 
 RUNNING = {"conditions": []}
-COMPLETE = {"conditions": [{"type": "Complete", "status": "True", "reason": "JobSetCompleted"}]}
+# metav1.Condition: type, status, lastTransitionTime, reason and message are required (the
+# vendored CRD's schema, which the fake checks status updates against); Trainer v2 copies the
+# JobSet's terminal condition (plugins/jobset/jobset.go, tests/fakes/trainer_v2.py)
+T0 = "2026-12-02T00:00:00Z"
+COMPLETE = {
+    "conditions": [
+        {
+            "type": "Complete",
+            "status": "True",
+            "reason": "AllJobsCompleted",
+            "message": "jobset completed successfully",
+            "lastTransitionTime": T0,
+        }
+    ]
+}
 FAILED = {
     "conditions": [
-        {"type": "Failed", "status": "True", "reason": "JobSetFailed", "message": "node failed"}
+        {
+            "type": "Failed",
+            "status": "True",
+            "reason": "ReachedMaxRestarts",
+            "message": "node failed",
+            "lastTransitionTime": T0,
+        }
     ]
 }
 
@@ -322,7 +342,7 @@ def test_success_returns_node0s_log_and_metrics(fake: FakeK8s) -> None:
 def test_failed_condition_is_a_job_failure(fake: FakeK8s) -> None:
     fake.script_status("trainjobs", "llm-train", [RUNNING, FAILED])
     add_node_pods(fake)
-    with pytest.raises(JobFailed, match="JobSetFailed"):
+    with pytest.raises(JobFailed, match="ReachedMaxRestarts: node failed"):
         TrainJobTrainer(fake.api_client(), poll_interval_s=POLL_S).run(job())
 
 
