@@ -70,10 +70,21 @@ def running_mlflow_server(
     # The server's background job runner (huey consumers) is not needed and costs seconds.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
+    with serving(cmd, env, root, port, timeout_s) as (url, log_path):
+        yield MlflowServer(url=url, artifacts=root / "art", log=log_path)
+
+
+@contextmanager
+def serving(
+    argv: list[str], env: dict[str, str], root: Path, port: int, timeout_s: float = 120.0
+) -> Iterator[tuple[str, Path]]:
+    """Run an `mlflow server` command line (its log in root/server.log), wait until its
+    /health on 127.0.0.1:`port` answers 200, yield (url, log path), stop its process group
+    on exit. MlflowServerError with the log's tail if it exits or never becomes healthy."""
     log_path = root / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd,
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -97,6 +108,6 @@ def running_mlflow_server(
                 tail = log_path.read_text(errors="replace")[-3000:]
                 raise MlflowServerError(f"mlflow server not healthy after {timeout_s}s:\n{tail}")
             time.sleep(0.25)
-        yield MlflowServer(url=url, artifacts=root / "art", log=log_path)
+        yield url, log_path
     finally:
         _stop_group(proc)

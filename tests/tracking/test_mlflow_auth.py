@@ -19,7 +19,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from kubellm.config import PipelineConfig
 from kubellm.stages import register
 from kubellm.stages.context import StageContext, open_tracker
 from kubellm.tracking import CHALLENGER, CHAMPION, TrackingUnauthorized
-from tracking.mlflow_server import MlflowServerError, _stop_group
+from tracking.mlflow_server import serving
 
 REPO = Path(__file__).resolve().parents[2]
 KUBECTL = shutil.which("kubectl")
@@ -122,36 +121,8 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthServer
             assert ref["name"] == MLFLOW_SECRET, ref
             env[var["name"]] = SECRET[ref["key"]]
 
-    log_path = root / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=root,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise MlflowServerError(f"mlflow server exited with {proc.returncode}:\n{tail}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                raise MlflowServerError(f"mlflow server not healthy after 120 s:\n{tail}")
-            time.sleep(0.25)
+    with serving(argv, env, root, port) as (url, log_path):
         yield AuthServer(url=url, log=log_path)
-    finally:
-        _stop_group(proc)
 
 
 def _local_paths(text: str, mounts: dict[str, Path]) -> str:

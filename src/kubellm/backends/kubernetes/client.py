@@ -51,6 +51,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from kubellm.backends.base import JobFailed, JobTimeout
 from kubellm.backends.kubernetes.pod_logs import PodLogs
+from kubellm.backends.kubernetes.podspec import ClusterSettings
 from kubellm.backends.kubernetes.responses import (
     TRANSIENT,
     Lister,
@@ -1107,3 +1108,20 @@ def _rejected(
         f"{res.kind.lower()}/{name} in {namespace} was not {verb}: "
         f"HTTP {e.status} {api_message(e)}{hint}"
     )
+
+
+class OnCluster:
+    """What every cluster backend (PyTorchJob and TrainJob trainers, the Katib tuner) holds:
+    a KubeClient (`poll_interval_s` between polls, `request_timeout_s` per request) and the
+    run's ClusterSettings."""
+
+    def __init__(
+        self,
+        api_client: k8s.ApiClient | None = None,
+        *,
+        cluster: ClusterSettings | None = None,
+        poll_interval_s: float = 10.0,
+        request_timeout_s: float = 30.0,
+    ) -> None:
+        self.kube = KubeClient(api_client, poll_interval_s, request_timeout_s)
+        self.cluster = cluster or ClusterSettings()

@@ -56,7 +56,6 @@ from kubeflow_katib_api.models import (
     V1beta1TrialParameterSpec,
     V1beta1TrialTemplate,
 )
-from kubernetes import client as k8s
 
 from kubellm.backends.base import (
     KATIB_NAME_MAX,
@@ -68,7 +67,7 @@ from kubellm.backends.base import (
 )
 from kubellm.backends.kubernetes.client import (
     CustomResource,
-    KubeClient,
+    OnCluster,
     condition_is_true,
     find_condition,
 )
@@ -265,20 +264,9 @@ def _parameter(p: SearchParam, grid_points: int = 0) -> V1beta1ParameterSpec:
     )
 
 
-class KatibTuner(Tuner):
+class KatibTuner(OnCluster, Tuner):
     """Tuner on a cluster: one Experiment (the request's algorithm, seeded), trials as the
     trainer's PyTorchJobs with the run's `cluster` settings."""
-
-    def __init__(
-        self,
-        api_client: k8s.ApiClient | None = None,
-        *,
-        cluster: ClusterSettings | None = None,
-        poll_interval_s: float = 10.0,
-        request_timeout_s: float = 30.0,
-    ) -> None:
-        self.kube = KubeClient(api_client, poll_interval_s, request_timeout_s)
-        self.cluster = cluster or ClusterSettings()
 
     def tune(self, request: TuneRequest) -> TuneResult:
         body = build_experiment(request, self.cluster)

@@ -40,7 +40,7 @@ from kubellm.backends.base import (
 )
 from kubellm.backends.kubernetes.client import (
     CustomResource,
-    KubeClient,
+    OnCluster,
     PodWatch,
     condition_is_true,
     container_security,
@@ -339,19 +339,8 @@ def _toleration(raw: dict[str, Any]) -> k8s.V1Toleration:
     return k8s.V1Toleration(**{names[k]: v for k, v in raw.items()})
 
 
-class PyTorchJobTrainer(Trainer):
+class PyTorchJobTrainer(OnCluster, Trainer):
     """Trainer on a cluster: one PyTorchJob per run, metrics from the master pod's log."""
-
-    def __init__(
-        self,
-        api_client: k8s.ApiClient | None = None,
-        *,
-        cluster: ClusterSettings | None = None,
-        poll_interval_s: float = 10.0,
-        request_timeout_s: float = 30.0,
-    ) -> None:
-        self.kube = KubeClient(api_client, poll_interval_s, request_timeout_s)
-        self.cluster = cluster or ClusterSettings()
 
     def run(self, job: TrainJob) -> JobResult:
         """Create (or adopt, or replace) the job, stream the master's log while it runs,

@@ -34,12 +34,11 @@ from __future__ import annotations
 from typing import Any
 
 from kubeflow_trainer_api import models as tm
-from kubernetes import client as k8s
 
 from kubellm.backends.base import JobFailed, JobResult, Trainer, TrainJob, dns_name
 from kubellm.backends.kubernetes.client import (
     CustomResource,
-    KubeClient,
+    OnCluster,
     condition_is_true,
     failed_condition,
     to_dict,
@@ -283,20 +282,9 @@ def trainjob_queued(obj: dict[str, Any]) -> str | None:
     return f"suspended, queue {queue}" if queue else "suspended"
 
 
-class TrainJobTrainer(Trainer):
+class TrainJobTrainer(OnCluster, Trainer):
     """Trainer on a cluster with Kubeflow Trainer v2: one TrainJob per run, metrics from the
     node-0 pod's log."""
-
-    def __init__(
-        self,
-        api_client: k8s.ApiClient | None = None,
-        *,
-        cluster: ClusterSettings | None = None,
-        poll_interval_s: float = 10.0,
-        request_timeout_s: float = 30.0,
-    ) -> None:
-        self.kube = KubeClient(api_client, poll_interval_s, request_timeout_s)
-        self.cluster = cluster or ClusterSettings()
 
     def run(self, job: TrainJob) -> JobResult:
         """Create (or adopt, or replace) the TrainJob, stream node 0's log, and return its
