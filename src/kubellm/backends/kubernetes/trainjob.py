@@ -13,7 +13,7 @@ and MLflow credentials. Trainer v2 splits them in three places (kubeflow/trainer
   volumeMounts and securityContext (not its env: pkg/runtime/framework/plugins/jobset/
   jobset.go#L203-L205 refuses env for `node` there, it goes through `spec.trainer.env`);
 - the ClusterTrainingRuntime `kubellm-torch` (`training_runtime_manifest`, shipped in
-  manifests/components/trainer-v2): the torch ML policy, the JobSet with replicatedJob and
+  manifests/cluster/trainer-v2): the torch ML policy, the JobSet with replicatedJob and
   container `node`, and what is per cluster: restart bounds, no service-account token.
 
 The torch plugin (pkg/runtime/framework/plugins/torch/torch.go#L147-L186) injects PET_NNODES,
@@ -22,7 +22,7 @@ PET_NPROC_PER_NODE, PET_NODE_RANK (the Job completion index), PET_MASTER_ADDR
 PET_* variables torchrun reads (its `env` argparse defaults) that the Training Operator sets,
 so the agent needs nothing else.
 
-Example (a cluster with Trainer v2.3 and `kubectl apply -k manifests/components/trainer-v2`):
+Example (a cluster with Trainer v2.3 and `kubectl apply -k manifests/cluster/trainer-v2`):
 
     TrainJobTrainer(cluster=ClusterSettings(gpus_per_node=8)).run(TrainJob(name="llm-train",
         image="ghcr.io/org/kubellm-trainer:1", train_args=["--config", "/workspace/t.json"],
