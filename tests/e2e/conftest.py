@@ -130,6 +130,7 @@ def _run(tmp: Path, pipeline: Path, **overrides: Any) -> subprocess.CompletedPro
 
 
 NAMESPACE = "kubellm"
+TRAINER_V2_RUNTIME = REPO / "manifests" / "cluster" / "trainer-v2" / "clustertrainingruntime.yaml"
 # Two nodes of one process each: the same world size (and so the same batches) as the local
 # run's one node of two processes.
 CLUSTER = {"platform": "kubernetes", "num_nodes": 2, "nproc_per_node": 1, "namespace": NAMESPACE}
@@ -192,7 +193,7 @@ class Batch(BackgroundRuns):
     run's result and waits for it; the servers and simulated clusters the runs used stay up
     until the session ends."""
 
-    ORDER = ("cluster", "local", "stop", "reject", "chat", "failing")  # the longest first
+    ORDER = ("cluster", "trainjob", "local", "stop", "reject", "chat", "failing")  # longest first
 
     def __init__(self, half_learnable: Path, tmp: pytest.TempPathFactory, parallel: int):
         super().__init__(parallel, "e2e-run")
@@ -270,13 +271,24 @@ class Batch(BackgroundRuns):
         params = {**SMALL, "data_source": str(self._data), "train_steps": HALF_LEARNABLE_STEPS}
         return self._on_a_cluster("cluster-run", params)
 
+    def _trainjob(self) -> ClusterRun:
+        """The `cluster` run's parameters with training as a Trainer v2 TrainJob on the
+        ClusterTrainingRuntime manifests/cluster/trainer-v2 ships (the cluster admin applies
+        it): its exported model must equal the PyTorchJob run's."""
+        params = {**SMALL, "data_source": str(self._data), "train_steps": HALF_LEARNABLE_STEPS}
+        return self._on_a_cluster(
+            "trainjob-run", {**params, "trainer_backend": "trainjob"}, runtimes=True
+        )
+
     def _stop(self) -> ClusterRun:
         # long enough to be stopped while it trains; one trial, so the run has an Experiment
         params = {**SMALL, "data_source": str(self._data), "train_steps": 100_000}
         params.update(tune_trials=1, tune_max_failed=0)
         return self._on_a_cluster("stop-run", params, runner="e2e.stop_runner:run")
 
-    def _on_a_cluster(self, name: str, params: dict[str, Any], runner: str = "") -> ClusterRun:
+    def _on_a_cluster(
+        self, name: str, params: dict[str, Any], runner: str = "", runtimes: bool = False
+    ) -> ClusterRun:
         tmp = self._tmp.mktemp(name)
         bin_dir = str(Path(sys.executable).parent)  # `python3` and `kubellm` of this venv
         env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
@@ -285,6 +297,9 @@ class Batch(BackgroundRuns):
         mlflow = self._enter(running_mlflow_server(tmp, tmp / "mlflow.db"))
         # KFP's profile controller syncs the namespace as manifests/base labels it
         install_profile_objects(sim.fake, NAMESPACE, namespace_labels())
+        if runtimes:  # `kubectl apply -k manifests/cluster/trainer-v2`, as the cluster admin
+            for doc in yaml.safe_load_all(TRAINER_V2_RUNTIME.read_text()):
+                sim.fake.create_object("clustertrainingruntimes", doc)
         # the exit handler deletes the run's jobs and experiments: keep what they were
         seen: dict[tuple[str, str], dict[str, Any]] = {}
         sim.fake.add_listener(lambda e: seen.__setitem__((e.plural, e.name), e.obj))

@@ -26,7 +26,13 @@ JobSet:
   failure policy action (first failed job: <job>)`); the next reconcile deletes the Jobs whose
   restart-attempt label is below status.restarts (getChildJobs) and creates them anew. At
   maxRestarts the JobSet fails: reason `ReachedMaxRestarts`, `jobset failed due to reaching max
-  number of restarts (first failed job: <job>)`.
+  number of restarts (first failed job: <job>)`. failurePolicy.rules
+  (findFirstFailedPolicyRuleAndJob, ruleIsApplicable): the first rule some failed Job
+  matches (onJobFailureReasons, onJobFailureMessagePatterns, targetReplicatedJobs) picks the
+  action: FailJobSet fails the
+  JobSet at once, reason `FailJobSetFailurePolicyAction`, `applying FailJobSet failure
+  policy action (first failed job: <job>)`; RestartJobSet restarts as above with reason
+  `FailurePolicy_<rule name>`; no matching rule is the default RestartJobSet.
 - success (success_policy.go, operator All): every Job of every replicated Job complete:
   Completed True, reason `AllJobsCompleted`, `jobset completed successfully`.
 - finished (reconcile L162-176): a completed or failed JobSet deletes its active Jobs.
@@ -43,6 +49,12 @@ Job (Indexed completion mode only; pkg/controller/job/indexed_job_utils.go and j
   the annotation batch.kubernetes.io/job-completion-index, hostname `<job>-<index>`, env
   JOB_COMPLETION_INDEX in every container (fieldRef to the label: PodIndexLabel is on by
   default); owned by the Job.
+- podFailurePolicy (pkg/controller/job/pod_failure_policy.go matchPodFailurePolicy): each
+  failed pod is matched against the rules in order (onExitCodes: a terminated container,
+  `containerName` if set, non-zero exit code In / NotIn the values; onPodConditions); FailJob
+  fails the Job at once (reason PodFailurePolicy, `Container <c> for pod <ns>/<pod> failed
+  with exit code <n> matching FailJob rule at index <i>`) and deletes its active pods; Ignore
+  does not count toward backoffLimit; Count and no match count.
 - backoffLimit (default 6): restartPolicy Never counts failed pods, OnFailure the containers'
   restarts; more than backoffLimit fails the Job (Failed, reason BackoffLimitExceeded, "Job has
   reached the specified backoff limit") and deletes its active pods; below it a failed
@@ -51,12 +63,13 @@ Job (Indexed completion mode only; pkg/controller/job/indexed_job_utils.go and j
 - suspend: a suspended Job deletes its active pods and creates none.
 
 SIMPLIFIED: no headless Service (the fake serves no Services; pods reach each other on
-127.0.0.1, see trainer_v2.py); failurePolicy.rules, startupPolicy InOrder, successPolicy Any
-/ targetReplicatedJobs, TTL, coordinator, exclusive placement, volumeClaimPolicies, in-place
-restart, managedBy and elastic scaling are not simulated (a JobSet that sets rules, Any or
-targetReplicatedJobs is a sim error, never silently ignored); the Job controller's
-FailureTarget/SuccessCriteriaMet interim conditions, pod failure policy, backoff delays,
-podReplacementPolicy and NonIndexed mode are not simulated.
+127.0.0.1, see trainer_v2.py); the RestartJob* failure policy actions, startupPolicy
+InOrder, successPolicy Any / targetReplicatedJobs, TTL, coordinator, exclusive placement,
+volumeClaimPolicies, in-place restart, managedBy and elastic scaling are not simulated (a
+JobSet that sets such an action, Any or targetReplicatedJobs is a sim error, never silently
+ignored); the Job controller's FailureTarget/SuccessCriteriaMet interim conditions (a FailJob
+match is Failed at once), the FailIndex action, backoff delays, podReplacementPolicy and
+NonIndexed mode are not simulated.
 """
 
 from __future__ import annotations
@@ -64,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -155,6 +169,95 @@ def job_finished(job: dict[str, Any]) -> str | None:
     return None
 
 
+def matching_rule(
+    rules: list[dict[str, Any]],
+    failed: list[dict[str, Any]],
+    failed_at: Any,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """failure_policy.go findFirstFailedPolicyRuleAndJob L87-L119 and ruleIsApplicable
+    L142-L164: the first rule (in order) that some failed Job matches, with the earliest
+    failed Job it matches. A rule matches a Job whose Failed condition's reason is in
+    onJobFailureReasons (empty: any), whose message matches one of
+    onJobFailureMessagePatterns (regular expressions; empty: any), and whose parent
+    replicated Job is in targetReplicatedJobs (empty: any)."""
+    for rule in rules:
+        matched = []
+        for job in failed:
+            cond = find_condition(job.get("status") or {}, "Failed")
+            if cond is None:
+                continue
+            reasons = rule.get("onJobFailureReasons") or []
+            patterns = rule.get("onJobFailureMessagePatterns") or []
+            targets = rule.get("targetReplicatedJobs") or []
+            parent = (job["metadata"].get("labels") or {}).get(RJOB_NAME)
+            if reasons and cond.get("reason") not in reasons:
+                continue
+            if patterns and not any(re.search(p, cond.get("message", "")) for p in patterns):
+                continue
+            if parent is None or (targets and parent not in targets):
+                continue
+            matched.append(job)
+        if matched:
+            return rule, min(matched, key=failed_at)
+    return None, None
+
+
+def pod_failure_match(
+    policy: dict[str, Any] | None, pod: dict[str, Any]
+) -> tuple[str | None, bool]:
+    """kubernetes pkg/controller/job/pod_failure_policy.go matchPodFailurePolicy L35-L81,
+    getMatchingContainerFromList L105-L120, isOnExitCodesOperatorMatching L122-L141: the
+    first rule a failed pod matches decides; onExitCodes matches a terminated container
+    (containerName, if set) with a non-zero exit code that is In / NotIn the values, the
+    containers first, then the init containers; onPodConditions a condition of the given type
+    and status. Returns (the FailJob message, whether the failure counts toward
+    backoffLimit): Ignore does not count, Count and no match do."""
+    status = pod.get("status") or {}
+    meta = pod["metadata"]
+    for index, rule in enumerate((policy or {}).get("rules") or []):
+        hit: str | None = None
+        on_codes = rule.get("onExitCodes")
+        if on_codes is not None:
+            values = [int(v) for v in on_codes.get("values") or []]
+            for cs in [
+                *(status.get("containerStatuses") or []),
+                *(status.get("initContainerStatuses") or []),
+            ]:
+                term = (cs.get("state") or {}).get("terminated")
+                if term is None or int(term.get("exitCode", 0)) == 0:
+                    continue
+                if on_codes.get("containerName") not in (None, cs.get("name")):
+                    continue
+                code = int(term["exitCode"])
+                if (code in values) == (on_codes.get("operator") == "In"):
+                    hit = (
+                        f"Container {cs['name']} for pod {meta.get('namespace')}/{meta['name']} "
+                        f"failed with exit code {code} matching FailJob rule at index {index}"
+                    )
+                    break
+        elif rule.get("onPodConditions") is not None:
+            for cond in status.get("conditions") or []:
+                if any(
+                    cond.get("type") == want.get("type")
+                    and cond.get("status") == want.get("status", "True")
+                    for want in rule["onPodConditions"]
+                ):
+                    hit = (
+                        f"Pod {meta.get('namespace')}/{meta['name']} has condition "
+                        f"{cond['type']} matching FailJob rule at index {index}"
+                    )
+                    break
+        if hit is None:
+            continue
+        action = rule.get("action")
+        if action == "Ignore":
+            return None, False
+        if action == "FailJob":
+            return hit, True
+        return None, True  # Count (FailIndex needs backoffLimitPerIndex: not simulated)
+    return None, True
+
+
 class JobSetController(Controller):
     name = "jobset-controller"
 
@@ -236,8 +339,9 @@ class JobSetController(Controller):
     @staticmethod
     def _unsupported(spec: dict[str, Any]) -> str:
         out = []
-        if (spec.get("failurePolicy") or {}).get("rules"):
-            out.append("failurePolicy.rules")
+        for rule in (spec.get("failurePolicy") or {}).get("rules") or []:
+            if rule.get("action") not in ("FailJobSet", "RestartJobSet"):
+                out.append(f"failurePolicy action {rule.get('action')}")
         success = spec.get("successPolicy") or {}
         if success.get("operator", "All") != "All" or success.get("targetReplicatedJobs"):
             out.append("successPolicy other than operator All over every replicated Job")
@@ -260,6 +364,13 @@ class JobSetController(Controller):
             msg = f"jobset failed due to one or more job failures (first failed job: {first})"
             self._failed(status, "FailedJobs", msg)
             return
+        rule, job = matching_rule(policy.get("rules") or [], failed, failed_at)
+        action = rule["action"] if rule else "RestartJobSet"  # defaultFailurePolicyRuleAction
+        first = job["metadata"]["name"] if job else first
+        if action == "FailJobSet":  # failJobSetActionApplier
+            msg = f"applying FailJobSet failure policy action (first failed job: {first})"
+            self._failed(status, "FailJobSetFailurePolicyAction", msg)
+            return
         if int(status.get("restartsCountTowardsMax", 0)) >= int(policy.get("maxRestarts", 0)):
             msg = (
                 f"jobset failed due to reaching max number of restarts (first failed job: {first})"
@@ -269,7 +380,8 @@ class JobSetController(Controller):
         status["restarts"] = int(status.get("restarts", 0)) + 1
         status["restartsCountTowardsMax"] = int(status.get("restartsCountTowardsMax", 0)) + 1
         msg = f"applying RestartJobSet failure policy action (first failed job: {first})"
-        js_condition(status, "Restarting", "True", "DefaultFailurePolicy", msg)
+        reason = f"FailurePolicy_{rule.get('name', '')}" if rule else "DefaultFailurePolicy"
+        js_condition(status, "Restarting", "True", reason, msg)
 
     @staticmethod
     def _failed(status: dict[str, Any], reason: str, msg: str) -> None:
@@ -405,7 +517,17 @@ class JobController(Controller):
                 for cs in (p.get("status") or {}).get("containerStatuses") or []
             )
         else:
-            failures = sum(1 for p in pods if phase[id(p)] == "Failed")
+            policy = spec.get("podFailurePolicy")
+            matches = [pod_failure_match(policy, p) for p in pods if phase[id(p)] == "Failed"]
+            fail_job = next((msg for msg, _ in matches if msg), None)
+            if fail_job is not None:  # job_controller.go: FailJob ends the Job at once
+                for pod in live:
+                    self._delete_pod(pod)
+                status["active"] = 0
+                set_condition(status, "Failed", "True", "PodFailurePolicy", fail_job)
+                self._write(key, status, before)
+                return
+            failures = sum(1 for _, counts in matches if counts)
         done = {self._index(p) for p in pods if phase[id(p)] == "Succeeded"}
         status["failed"] = sum(1 for p in pods if phase[id(p)] == "Failed")
         status["succeeded"] = len(done)

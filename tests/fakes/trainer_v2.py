@@ -50,8 +50,12 @@ per rule.
   JobSet spec (replicatedJobs by name, containers by name, env by name, ...), before the
   trainer fields and the torch env are applied.
 
+- activeDeadlineSeconds (trainjob_controller.go reconcileDeadline L155-L191): counted from
+  creationTimestamp or the last resume; past it, Failed `DeadlineExceeded` "TrainJob exceeded
+  its active deadline", the JobSet deleted; the Failed condition is kept on later reconciles.
+
 SIMPLIFIED: TrainingRuntime (namespaced), initializer, podGroupPolicy,
-torchtune, envInjection, activeDeadlineSeconds and managedBy are not simulated (a TrainJob
+torchtune, envInjection and managedBy are not simulated (a TrainJob
 that uses one is a sim error, never silently ignored); resourcesPerNode replaces the
 container's resources (no merge); apply (server-side) is a create or a replace; the strategic
 merge knows only the merge keys in MERGE_KEYS and no $patch directives; the webhook's
@@ -65,12 +69,13 @@ import contextlib
 import copy
 import json
 import math
+import time
 from collections.abc import Iterable
 from typing import Any
 
 from .fake_k8s import ApiError, Event, owner_reference, status_body
 from .jobset import collect_if_orphaned, set_condition
-from .sim_base import Controller, Key, find_condition, free_port, is_true
+from .sim_base import Controller, Key, find_condition, free_port, is_true, parse_time
 
 GROUP = "trainer.kubeflow.org"
 VALIDATOR = "validator.trainjob.trainer.kubeflow.org"
@@ -191,7 +196,7 @@ class TrainerV2(Controller):
         if tj is None:
             return
         spec = tj.get("spec") or {}
-        unsupported = [f for f in ("initializer", "activeDeadlineSeconds") if spec.get(f)]
+        unsupported = [f for f in ("initializer",) if spec.get(f)]
         if spec.get("managedBy") not in (None, "trainer.kubeflow.org/trainjob-controller"):
             return  # IsManagedByExternalController
         registry, kind, name = runtime_key(tj)
@@ -227,9 +232,41 @@ class TrainerV2(Controller):
             set_condition(status, "Suspended", "False", "Resumed", "TrainJob is resumed")
         if kind in SUPPORTED:
             self._status_from_jobset(tj, status)
+        self._deadline(key, tj, status)
         if status != before:
             with contextlib.suppress(ApiError):
                 self.fake.set_status(key[0], key[2], status, namespace=key[1])
+
+    def _deadline(self, key: Key, tj: dict[str, Any], status: dict[str, Any]) -> None:
+        """trainjob_controller.go reconcileDeadline L155-L191: activeDeadlineSeconds counts
+        from creationTimestamp, or from the Suspended False condition's lastTransitionTime
+        (a resume); past it the TrainJob is Failed, reason DeadlineExceeded ("TrainJob
+        exceeded its active deadline", constants.go L87-L88), and its JobSet deleted (its
+        Jobs and pods go with it); before it, a requeue at the deadline. Not while suspended
+        or finished, nor without a deadline."""
+        spec, meta = tj.get("spec") or {}, tj["metadata"]
+        seconds = int(spec.get("activeDeadlineSeconds") or 0)
+        if not seconds or spec.get("suspend"):
+            return
+        if is_true(status, "Complete") or is_true(status, "Failed"):
+            return
+        resumed = find_condition(status, "Suspended")
+        start = parse_time(
+            resumed.get("lastTransitionTime")
+            if resumed and resumed.get("status") == "False"
+            else meta.get("creationTimestamp")
+        )
+        if start is None:
+            return
+        left = start + seconds - time.time()
+        if left > 0:
+            self.requeue(key, left)
+            return
+        set_condition(
+            status, "Failed", "True", "DeadlineExceeded", "TrainJob exceeded its active deadline"
+        )
+        with contextlib.suppress(ApiError):
+            self.fake.delete_object("jobsets", meta["name"], meta["namespace"])
 
     def _status_from_jobset(self, tj: dict[str, Any], status: dict[str, Any]) -> None:
         """plugins/jobset/jobset.go Status."""

@@ -35,7 +35,9 @@ def sim(tmp_path: Path) -> Iterator[SimCluster]:
 
 
 def runtime(
-    name: str = "torch-distributed", failure_policy: dict[str, Any] | None = None
+    name: str = "torch-distributed",
+    failure_policy: dict[str, Any] | None = None,
+    pod_failure_policy: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """manifests/base/runtimes/torch_distributed.yaml at v2.3.0, plus what a test needs."""
     job_spec: dict[str, Any] = {
@@ -67,6 +69,8 @@ def runtime(
         spec["failurePolicy"] = failure_policy
         job_spec["backoffLimit"] = 0
         job_spec["template"]["spec"]["restartPolicy"] = "Never"
+    if pod_failure_policy is not None:
+        job_spec["podFailurePolicy"] = pod_failure_policy
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "ClusterTrainingRuntime",
@@ -200,6 +204,96 @@ def test_a_failing_node_restarts_the_jobset_up_to_max_restarts_then_fails(
     assert cond(sim, "jobs", "bad-node-0", "Failed")["reason"] == "BackoffLimitExceeded"
     assert job["metadata"]["labels"]["jobset.sigs.k8s.io/restart-attempt"] == "1"
     assert cond(sim, "trainjobs", "bad", "Complete") is None
+
+
+# What manifests/cluster/trainer-v2's runtime sets: the agent's permanent exits fail the Job
+# by its pod failure policy, and a rule on that reason fails the JobSet without a restart.
+PERMANENT = {
+    "rules": [
+        {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": "node", "operator": "In", "values": [1, 2, 3, 4]},
+        }
+    ]
+}
+FAIL_ON_PERMANENT = {
+    "maxRestarts": 3,
+    "rules": [
+        {
+            "name": "permanent-exit",
+            "action": "FailJobSet",
+            "onJobFailureReasons": ["PodFailurePolicy"],
+        }
+    ],
+}
+
+
+def test_a_permanent_exit_fails_the_job_by_pod_failure_policy_and_the_jobset_at_once(
+    sim: SimCluster,
+) -> None:
+    sim.fake.create_object(
+        "clustertrainingruntimes",
+        runtime(failure_policy=FAIL_ON_PERMANENT, pod_failure_policy=PERMANENT),
+    )
+    code = "import os, sys; sys.exit(3 if os.environ['PET_NODE_RANK'] == '1' else 0)"
+    api(sim).create_namespaced_custom_object(*TRAINJOBS, trainjob("perm", code))
+    failed = sim.wait_for(lambda: cond(sim, "trainjobs", "perm", "Failed"), 30, "Failed")
+    assert failed["reason"] == "FailJobSetFailurePolicyAction"
+    assert failed["message"] == (
+        "applying FailJobSet failure policy action (first failed job: perm-node-0)"
+    )
+    job = cond(sim, "jobs", "perm-node-0", "Failed")
+    assert job is not None and job["reason"] == "PodFailurePolicy"
+    (rank1,) = [
+        p["metadata"]["name"]
+        for p in pods_of(sim, "perm")
+        if p["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == "1"
+    ]
+    assert job["message"] == (
+        f"Container node for pod default/{rank1} failed with exit code 3 matching FailJob "
+        "rule at index 0"
+    )
+    js = sim.fake.get_object("jobsets", "perm")
+    assert js["status"].get("restarts", 0) == 0  # no restart for a permanent exit
+
+
+def test_a_retryable_exit_matches_no_rule_and_restarts_the_jobset(sim: SimCluster) -> None:
+    sim.fake.create_object(
+        "clustertrainingruntimes",
+        runtime(failure_policy=FAIL_ON_PERMANENT, pod_failure_policy=PERMANENT),
+    )
+    # exit 200 (the agent after a pre-emption checkpoint) is not in the FailJob list: the
+    # Job fails by backoffLimit 0, no rule matches that reason, the default RestartJobSet
+    marker = sim.tmp_path / "once"
+    code = (
+        f"import os, pathlib, sys; m = pathlib.Path({str(marker)!r})\n"
+        "if os.environ['PET_NODE_RANK'] == '1' and not m.exists(): m.touch(); sys.exit(200)"
+    )
+    api(sim).create_namespaced_custom_object(*TRAINJOBS, trainjob("retry", code))
+    sim.wait_for(lambda: cond(sim, "trainjobs", "retry", "Complete"), 30, "Complete")
+    js = sim.fake.get_object("jobsets", "retry")
+    assert js["status"]["restarts"] == 1
+    restarted = [
+        c
+        for e in sim.fake.history("jobsets")
+        for c in (e.obj.get("status") or {}).get("conditions") or []
+        if c["type"] == "Restarting" and c["status"] == "True"
+    ]
+    assert restarted[0]["reason"] == "DefaultFailurePolicy"
+
+
+def test_active_deadline_fails_the_trainjob_and_deletes_its_jobset(sim: SimCluster) -> None:
+    sim.fake.create_object("clustertrainingruntimes", runtime())
+    body = trainjob("slow", "import time; time.sleep(120)", activeDeadlineSeconds=2)
+    api(sim).create_namespaced_custom_object(*TRAINJOBS, body)
+    sim.wait_for(lambda: sim.fake.get_object("jobsets", "slow"), 10, "the JobSet")
+    failed = sim.wait_for(lambda: cond(sim, "trainjobs", "slow", "Failed"), 30, "Failed")
+    assert (failed["reason"], failed["message"]) == (
+        "DeadlineExceeded",
+        "TrainJob exceeded its active deadline",
+    )
+    sim.wait_for(lambda: sim.fake.get_object("jobsets", "slow") is None, 10, "JobSet gone")
+    sim.wait_for(lambda: not pods_of(sim, "slow"), 20, "pods gone")
 
 
 def test_a_trainjob_whose_runtime_does_not_exist_is_refused(sim: SimCluster) -> None:
