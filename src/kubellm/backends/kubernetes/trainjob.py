@@ -190,6 +190,12 @@ def build_training_runtime(
     A failed Job restarts the whole JobSet, up to `max_restarts` times (JobSet
     failurePolicy.maxRestarts; the Job itself has backoffLimit 0). The agent's permanent
     exits (PERMANENT_EXITS) fail the Job by its podFailurePolicy and the JobSet at once.
+
+    `image` is the `node` container's default (each TrainJob sets its own). Give one, as
+    upstream's runtimes and manifests/cluster/trainer-v2 do: the Kubeflow SDK's TrainerClient
+    refuses to read a runtime without it, and so every TrainJob on it (kubeflow/sdk 0.5.0
+    backends/kubernetes/utils.py `get_runtime_trainer`; tests/k8s/test_trainer_client.py).
+    It also needs the `trainer.kubeflow.org/framework` label and the ancestor label set here.
     """
     cluster = cluster or ClusterSettings()
     container: dict[str, Any] = {"name": NODE}
