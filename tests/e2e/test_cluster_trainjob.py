@@ -82,6 +82,12 @@ def test_the_pipeline_trains_with_a_trainjob_and_exports_the_pytorchjob_model(
     ]
     assert "world_size=2" in log or "world 2" in log, log[-2000:]
 
+    # the exit handler deleted the run's TrainJobs (their JobSets, Jobs and pods with them)
+    for name in trainjobs:
+        assert f"summary: trainjob/{name} in {NAMESPACE}: deleted" in output, output[-6000:]
+    assert fake.list_objects("trainjobs", NAMESPACE) == []
+    assert fake.list_objects("jobsets", NAMESPACE) == []
+
     # the rest of the pipeline as on the PyTorchJob backend: tuned, gated, served
     rows = summary_rows(summary)
     assert rows["gate"].startswith("promote"), rows

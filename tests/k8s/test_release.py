@@ -12,6 +12,7 @@ cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from kubellm.backends.kubernetes.katib import KatibTuner, build_experiment
 from kubellm.backends.kubernetes.podspec import RUN_LABEL, ClusterSettings
 from kubellm.backends.kubernetes.pytorchjob import PyTorchJobTrainer, pytorchjob_manifest
 from kubellm.backends.kubernetes.release import run_selector
+from kubellm.backends.kubernetes.trainjob import trainjob_manifest
 
 from .conftest import POLL_S, RUNNING, SUCCEEDED
 from .test_inferenceservice import (
@@ -117,6 +119,34 @@ def test_a_delete_that_keeps_failing_says_how_to_do_it_by_hand(fake_k8s: FakeK8s
 
     assert said.startswith("pytorchjob/llm-train-3f0c2a1e in default: deleting it failed (HTTP 500")
     assert f"kubectl delete pytorchjobs.kubeflow.org -n default -l {run_selector(RUN)}" in said
+
+
+def test_the_exit_handler_deletes_the_runs_trainjobs_whatever_backend_it_is_given(
+    fake_k8s: FakeK8s, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # components/summarize.py gives the exit handler no trainer_backend (it sees the default,
+    # pytorchjob), yet a run with trainer_backend=trainjob left TrainJobs behind
+    from kubellm import backends
+    from kubellm.config import pipeline_config
+
+    job(fake_k8s, "llm-train-3f0c2a1e", RUN)
+    for name, run in (("llm-fabric-3f0c2a1e", RUN), ("llm-train-9e8d7c6b", OTHER)):
+        spec = TrainJob(name=name, image="ghcr.io/example/kubellm-trainer:test", train_args=["-x"])
+        fake_k8s.create_object("trainjobs", trainjob_manifest(spec, ClusterSettings(run_id=run)))
+    kubeconfig = str(fake_k8s.write_kubeconfig(tmp_path / "kubeconfig"))
+    # $KUBECONFIG as the kubernetes client read it at import
+    monkeypatch.setattr("kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION", kubeconfig)
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in a pod
+    cfg = pipeline_config({"platform": "kubernetes", "namespace": "default"})
+    assert cfg.trainer_backend == "pytorchjob"
+
+    said = backends.select(cfg, RUN).release_run(champion="")
+
+    assert "pytorchjob/llm-train-3f0c2a1e in default: deleted" in said, said
+    assert "trainjob/llm-fabric-3f0c2a1e in default: deleted" in said, said
+    assert names(fake_k8s, "trainjobs") == ["llm-train-9e8d7c6b"]  # another run's
+    assert names(fake_k8s, "pytorchjobs") == []
+    assert fake_k8s.forbidden == []
 
 
 def test_a_kind_the_cluster_does_not_serve_has_nothing_to_release(fake_k8s: FakeK8s) -> None:

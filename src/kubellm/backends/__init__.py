@@ -93,9 +93,13 @@ class Backends:
 
     def release_run(self, champion: str | None) -> list[str]:
         """The exit handler's cleanup on a cluster: delete the run's Katib Experiments (their
-        trials' jobs go with them), then its PyTorchJobs, then take what it deployed and
-        did not promote out of service (`Server.release_unpromoted`; `champion` as there).
-        Returns what was done, a line each.
+        trials' jobs go with them), then its PyTorchJobs and TrainJobs, then take what it
+        deployed and did not promote out of service (`Server.release_unpromoted`; `champion`
+        as there). Returns what was done, a line each.
+
+        Both training kinds, whatever `trainer_backend` says: the exit handler is not given
+        every parameter (components/summarize.py), and a kind the cluster does not serve
+        has nothing to delete (a 404 on the list).
 
         It runs on a stopped run too, where the steps' own cleanup may have been cut short
         (kubellm.backends.kubernetes.release). Locally nothing but the servers outlives a
@@ -104,7 +108,12 @@ class Backends:
         if self.local:
             return []
         ns, run = self.cfg.namespace, self.kfp_run_id
-        done = self.tuner.release(run, ns) + self.trainer.release(run, ns)
+        from kubellm.backends.kubernetes.pytorchjob import PyTorchJobTrainer
+        from kubellm.backends.kubernetes.trainjob import TrainJobTrainer
+
+        done = self.tuner.release(run, ns)
+        for trainer in (PyTorchJobTrainer, TrainJobTrainer):
+            done += trainer(cluster=self.cluster_settings).release(run, ns)
         return done + self.server.release_unpromoted(run, champion)
 
     @cached_property
