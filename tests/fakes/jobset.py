@@ -38,7 +38,10 @@ JobSet:
 - finished (reconcile L162-176): a completed or failed JobSet deletes its active Jobs.
 - suspend (suspendJobs / resumeJobsIfNecessary): spec.suspend sets each Job's suspend;
   Suspended True `SuspendedJobs` "jobset is suspended", on resume False `ResumeJobs`
-  "jobset is resumed".
+  "jobset is resumed". Resuming a Job (resumeJob L636-L682) first merges its replicated
+  Job's pod template labels, annotations, nodeSelector (the JobSet's win), tolerations and
+  schedulingGates (added when missing) into the Job's pod template: what Kueue set while the
+  JobSet was suspended reaches the pods.
 - status.replicatedJobsStatus per replicated Job: ready, succeeded, failed, active, suspended
   (Jobs counted, calculateReplicatedJobStatuses); terminalState Completed or Failed.
 
@@ -316,9 +319,11 @@ class JobSetController(Controller):
                     name = f"{js['metadata']['name']}-{rjob['name']}-{idx}"
                     if name not in existing:
                         self._create_job(js, spec, rjob, idx, restarts)
+            templates = {r["name"]: r["template"] for r in spec["replicatedJobs"]}
             for job in active:
                 if bool((job.get("spec") or {}).get("suspend")) != suspended:
-                    self._set_job_suspend(job, suspended)
+                    rjob_name = (job["metadata"].get("labels") or {}).get(RJOB_NAME, "")
+                    self._set_job_suspend(job, suspended, templates.get(rjob_name))
             if suspended:
                 js_condition(status, "Suspended", "True", "SuspendedJobs", "jobset is suspended")
                 js_condition(
@@ -466,8 +471,30 @@ class JobSetController(Controller):
             return
         collect_if_orphaned(self.fake, "jobsets", js, "jobs", name)
 
-    def _set_job_suspend(self, job: dict[str, Any], suspend: bool) -> None:
+    def _set_job_suspend(
+        self, job: dict[str, Any], suspend: bool, template: dict[str, Any] | None = None
+    ) -> None:
+        """suspendJobs, or resumeJob (jobset_controller.go L636-L682): on resume, the
+        replicated Job's pod template labels, annotations and nodeSelector merged over the
+        Job's (collections.MergeMaps), its tolerations and schedulingGates added where
+        missing (MergeSlices; upstream's order is a map's, the sim keeps the Job's first)."""
         job = copy.deepcopy(job)
+        if not suspend and template is not None:
+            src = ((template.get("spec") or {}).get("template")) or {}
+            dst = job["spec"].setdefault("template", {})
+            for holder, into, field in (
+                (src.get("metadata") or {}, dst.setdefault("metadata", {}), "labels"),
+                (src.get("metadata") or {}, dst["metadata"], "annotations"),
+                (src.get("spec") or {}, dst.setdefault("spec", {}), "nodeSelector"),
+            ):
+                merged = {**(into.get(field) or {}), **(holder.get(field) or {})}
+                if merged:
+                    into[field] = merged
+            for field in ("tolerations", "schedulingGates"):
+                items = list(dst["spec"].get(field) or [])
+                items += [i for i in (src.get("spec") or {}).get(field) or [] if i not in items]
+                if items:
+                    dst["spec"][field] = items
         job["spec"]["suspend"] = suspend
         self.fake.put_object("jobs", job)
 

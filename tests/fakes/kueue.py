@@ -42,6 +42,36 @@ gate (pod_controller.go Run L266-L291, prepare L1508-L1513), and the pod's end f
 Workload (Finished L361-L375). With the pytorchjob integration also on and the label on the
 job, the pods are not gated (their owner is the managed ancestor).
 
+With `trainer.kubeflow.org/trainjob` on (pkg/controller/jobs/trainjob, on in the shipped
+list: controller_manager_config.yaml L59), Kueue reads Trainer's own runtime code:
+- webhook (trainjob_webhook.go Default L70-L95): every TrainJob gets Kueue's own
+  runtimePatches entry, manager `kueue.x-k8s.io/manager` (trainjob_controller.go L76) with
+  an empty JobSet spec patch, appended after the user's; one with the queue-name label on
+  its own metadata (WorkloadShouldBeSuspended) is created with `spec.suspend: true`;
+- reconciler: one Workload `trainjob-<name>-<hash>` whose podSets are those of the JobSet
+  Trainer would build (trainjob_controller.go PodSets L217-L241 -> getChildJobSet
+  L146-L183, the runtime's replicatedJobs with the TrainJob's numNodes and runtimePatches;
+  jobset_controller.go PodSets L115-L136): one per replicatedJob, named after it, count =
+  replicas x min(parallelism, completions) (podsCount L241-L244, PodsCountPerReplica
+  L231-L239); a TrainJob whose runtime is missing is retried (L155-L158);
+- admission (RunWithPodSetsInfo L243-L290): the podSet info of the admission (labels, with
+  `kueue.x-k8s.io/podset: <podSet>`, reconciler.go getPodSetsInfoFromStatus L1602;
+  annotations, the flavor's nodeSelector and tolerations: podset.go FromAssignment L58-L93)
+  is written as `replicatedJobs` of Kueue's runtime patch, never the user's, and the
+  TrainJob unsuspended (`spec.suspend: false`); without Kueue's patch the start fails
+  ("kueue runtime patch not found", L277-L280) and the TrainJob stays suspended;
+- stop (Stop L292-L313, RestorePodSetsInfo L315-L322): suspended, the patch's replicatedJobs
+  cleared; finished (Finished L333-L341) when its Complete or Failed condition is True.
+The TrainJob's JobSet, Jobs and pods have it as their Kueue-managed ancestor
+(FindAncestorJobManagedByKueue walks the whole controller chain, pod -> Job -> JobSet ->
+TrainJob, and keeps the topmost managed owner): no Workload of their own, pods never gated.
+No minimum Trainer version is checked at start-up in v0.19.0 (jobframework/setup.go
+L72-L115 only waits for the CRD; NewReconciler L84-L95 builds Trainer v2.2.1's runtime
+registry); the integration needs `spec.runtimePatches`, which Trainer's CRD has from v2.2.0
+(site docs still say v2.0.0). With the integration off, a TrainJob is not Kueue's: created
+unsuspended, no Workload; labelled pods (a runtime patch's label) fall to the `pod`
+integration one by one.
+
 The API server's pod strategy marks a gated pod at creation with PodScheduled=False,
 reason SchedulingGated (kubernetes/kubernetes pkg/registry/core/pod/strategy.go
 applySchedulingGatedCondition); the sim's scheduler (kubelet.py) leaves gated pods alone.
@@ -85,12 +115,33 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from .fake_k8s import Event, FakeK8s, owner_reference
-from .sim_base import Controller, Key, find_condition, is_true, new_condition, now_rfc3339
+from .sim_base import (
+    Controller,
+    Key,
+    controller_of,
+    find_condition,
+    is_true,
+    new_condition,
+    now_rfc3339,
+)
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"  # pkg/controller/constants/constants.go L23
 MANAGED_LABEL = "kueue.x-k8s.io/managed"  # pkg/constants/constants.go L52-L53
 ADMISSION_GATE = "kueue.x-k8s.io/admission"  # pkg/controller/jobs/pod/constants L24
 PYTORCHJOB = "kubeflow.org/pytorchjob"  # pytorchjob_controller.go L37
+TRAINJOB = "trainer.kubeflow.org/trainjob"  # trainjob_controller.go L54
+JOBSET = "jobset.x-k8s.io/jobset"  # jobset_controller.go L44
+BATCH_JOB = "batch/job"  # job_controller.go L53
+RUNTIME_PATCH_MANAGER = "kueue.x-k8s.io/manager"  # trainjob_controller.go L76
+PODSET_LABEL = "kueue.x-k8s.io/podset"  # pkg/constants/constants.go L58
+# Owners FindAncestorJobManagedByKueue can walk through (integrations Kueue registers): kind ->
+# (plural, integration). An owner of another kind stops the walk (reconciler.go L884-L891).
+OWNER_KINDS: dict[str, tuple[str, str]] = {
+    "PyTorchJob": ("pytorchjobs", PYTORCHJOB),
+    "TrainJob": ("trainjobs", TRAINJOB),
+    "JobSet": ("jobsets", JOBSET),
+    "Job": ("jobs", BATCH_JOB),
+}
 POD = "pod"  # pod_controller.go L68
 # config/components/manager/controller_manager_config.yaml L46-L64 @v0.19.0 (uncommented)
 DEFAULT_FRAMEWORKS: tuple[str, ...] = (
@@ -122,8 +173,9 @@ _GATED = {
 @dataclass(frozen=True)
 class KueueSettings:
     """frameworks: Kueue's `integrations.frameworks` (default: what v0.19.0's manifests
-    ship, without `kubeflow.org/pytorchjob`). queues: LocalQueue name -> the nominal quota of
-    the ClusterQueue behind it, e.g. `{"team-a": {"pods": 2, "nvidia.com/gpu": 2}}`."""
+    ship, without `kubeflow.org/pytorchjob`, with `trainer.kubeflow.org/trainjob`). queues:
+    LocalQueue name -> the nominal quota of the ClusterQueue behind it, e.g.
+    `{"team-a": {"pods": 2, "nvidia.com/gpu": 2}}`."""
 
     frameworks: tuple[str, ...] = DEFAULT_FRAMEWORKS
     queues: Mapping[str, Mapping[str, str | int]] = field(default_factory=dict)
@@ -131,6 +183,10 @@ class KueueSettings:
     def with_pytorchjob(self) -> KueueSettings:
         """These settings with the pytorchjob integration enabled (as the README says)."""
         return KueueSettings((*self.frameworks, PYTORCHJOB), self.queues)
+
+    def without(self, framework: str) -> KueueSettings:
+        """These settings with `framework` taken out of the integrations."""
+        return KueueSettings(tuple(f for f in self.frameworks if f != framework), self.queues)
 
 
 def queue_name(obj: dict[str, Any]) -> str:
@@ -183,6 +239,7 @@ class Kueue(Controller):
 
     def start(self) -> None:
         self.fake.on_create("pytorchjobs", self._job_webhook)
+        self.fake.on_create("trainjobs", self._trainjob_webhook)
         self.fake.on_create("pods", self._pod_webhook)
         super().start()
 
@@ -208,6 +265,29 @@ class Kueue(Controller):
             return
         self._set_suspend(("pytorchjobs", job["metadata"]["namespace"], job["metadata"]["name"]))
 
+    def _trainjob_webhook(self, fake: FakeK8s, tj: dict[str, Any]) -> None:
+        """trainjob_webhook.go Default L70-L95: Kueue's runtime patch on every TrainJob (the
+        integration on), and `spec.suspend: true` on one that carries the queue label itself
+        and has no Kueue-managed ancestor (WorkloadShouldBeSuspended, utils.go L112-L123)."""
+        if not self.enabled(TRAINJOB):
+            return  # a noop webhook (jobframework/setup.go L108-L111)
+        suspend = bool(queue_name(tj)) and self._managed_ancestor(tj) is None
+        with self.fake._lock:
+            meta = tj["metadata"]
+            current = self.fake.get_object("trainjobs", meta["name"], meta["namespace"])
+            if current is None:
+                return
+            spec = current.setdefault("spec", {})
+            spec.setdefault("runtimePatches", []).append(
+                {
+                    "manager": RUNTIME_PATCH_MANAGER,
+                    "trainingRuntimeSpec": {"template": {"spec": {}}},
+                }
+            )
+            if suspend:
+                spec["suspend"] = True
+            self.fake.put_object("trainjobs", current)
+
     def _pod_webhook(self, fake: FakeK8s, pod: dict[str, Any]) -> None:
         """pod_webhook.go Default: gate a labelled pod with no Kueue-managed ancestor."""
         if not self.enabled(POD) or self._managed_ancestor(pod) is not None:
@@ -232,35 +312,42 @@ class Kueue(Controller):
         self.fake.put_object("pods", current)
 
     def _managed_ancestor(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        """FindAncestorJobManagedByKueue for a pod: its controlling PyTorchJob, when the
-        pytorchjob integration is on and that job has the queue label itself."""
-        for ref in obj["metadata"].get("ownerReferences") or []:
-            if not ref.get("controller") or ref.get("kind") != "PyTorchJob":
-                continue
-            if not self.enabled(PYTORCHJOB):
-                return None
-            job = self.fake.get_object("pytorchjobs", ref["name"], obj["metadata"]["namespace"])
-            return job if job is not None and queue_name(job) else None
-        return None
+        """FindAncestorJobManagedByKueue (reconciler.go L862-L912): walk the controller
+        chain up while the owner is of a kind Kueue knows (OWNER_KINDS); the topmost owner
+        whose integration is enabled and that has the queue label itself is the managed
+        ancestor (a pod's Job, that Job's JobSet, that JobSet's TrainJob)."""
+        ns = obj["metadata"]["namespace"]
+        top: dict[str, Any] | None = None
+        current, seen = obj, {obj["metadata"].get("uid")}
+        while (ref := controller_of(current)) is not None and ref.get("kind") in OWNER_KINDS:
+            plural, framework = OWNER_KINDS[ref["kind"]]
+            parent = self.fake.get_object(plural, ref["name"], ns)
+            if parent is None or parent["metadata"].get("uid") in seen or len(seen) > 10:
+                return None  # ErrWorkloadOwnerNotFound, cyclic, managedOwnersChainLimit
+            if self.enabled(framework) and queue_name(parent):
+                top = parent
+            seen.add(parent["metadata"].get("uid"))
+            current = parent
+        return top
 
     # ------------------------------------------------------------ reconcilers
 
     def keys_for(self, event: Event) -> Iterable[Key]:
         keys: list[Key] = []
-        if event.plural == "pytorchjobs" and event.type != "DELETED":
-            keys.append(("pytorchjobs", event.namespace, event.name))
+        if event.plural in ("pytorchjobs", "trainjobs") and event.type != "DELETED":
+            keys.append((event.plural, event.namespace, event.name))
         elif event.plural == "pods" and event.type != "DELETED":
             if (event.obj["metadata"].get("labels") or {}).get(MANAGED_LABEL) == "true":
                 keys.append(("pods", event.namespace, event.name))
         elif event.plural == WORKLOADS:
             keys += self._owner_keys(event.obj)
-        if event.plural in ("pytorchjobs", "pods", WORKLOADS):
+        if event.plural in ("pytorchjobs", "trainjobs", "pods", WORKLOADS):
             keys.append(_SCHEDULE)  # quota may have been freed or asked for
         return keys
 
     @staticmethod
     def _owner_keys(workload: dict[str, Any]) -> list[Key]:
-        plurals = {"PyTorchJob": "pytorchjobs", "Pod": "pods"}
+        plurals = {"PyTorchJob": "pytorchjobs", "TrainJob": "trainjobs", "Pod": "pods"}
         ns = workload["metadata"]["namespace"]
         return [
             (plurals[ref["kind"]], ns, ref["name"])
@@ -273,6 +360,8 @@ class Kueue(Controller):
             self._schedule()
         elif key[0] == "pytorchjobs":
             self._reconcile_job(key)
+        elif key[0] == "trainjobs":
+            self._reconcile_trainjob(key)
         elif key[0] == "pods":
             self._reconcile_pod(key)
 
@@ -304,6 +393,113 @@ class Kueue(Controller):
             self._set_suspend(key, False)
         elif not self.admitted(workload) and not suspended:
             self._set_suspend(key, True)
+
+    def _reconcile_trainjob(self, key: Key) -> None:
+        """ReconcileGenericJob for a TrainJob (trainjob_controller.go)."""
+        tj = self.get(key)
+        if tj is None or not self.enabled(TRAINJOB) or not queue_name(tj):
+            return  # reconciler.go L363-L367: the label must be on the TrainJob itself
+        workload = self._workload_of(tj)
+        status = tj.get("status") or {}
+        if is_true(status, "Complete") or is_true(status, "Failed"):  # Finished L333-L341
+            if workload is not None:
+                self._finish(workload, "Succeeded" if is_true(status, "Complete") else "Failed")
+            return
+        if workload is None:
+            pod_sets = self._trainjob_pod_sets(tj)
+            if pod_sets is None:
+                self.requeue(key, 1.0)  # "runtime '<name>' not found" (L155-L158): retried
+                return
+            self._create_workload(tj, "TrainJob", "trainer.kubeflow.org", queue_name(tj), pod_sets)
+            return
+        suspended = (tj.get("spec") or {}).get("suspend") is True
+        if self.admitted(workload) and suspended:
+            self._start_trainjob(key, workload)  # reconciler.go L600-L605
+        elif not self.admitted(workload) and not suspended:
+            self._stop_trainjob(key)  # reconciler.go L632-L640
+
+    def _trainjob_pod_sets(self, tj: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """PodSets L217-L241: the podSets of the JobSet Trainer builds for `tj` (its own
+        runtime code: getChildJobSet L146-L183), as the JobSet integration counts them
+        (jobset_controller.go PodSets L115-L136, podsCount L241-L244); None when the runtime
+        is missing."""
+        from .trainer_v2 import TrainerV2, runtime_key
+
+        _, kind, name = runtime_key(tj)
+        runtime = self.fake.get_object("clustertrainingruntimes", name)
+        trainer = next((c for c in self.sim.controllers if isinstance(c, TrainerV2)), None)
+        if kind != "ClusterTrainingRuntime" or runtime is None or trainer is None:
+            return None
+        jobset = trainer._build(tj, runtime)
+        pod_sets = []
+        for rjob in jobset["spec"].get("replicatedJobs") or []:
+            jspec = (rjob.get("template") or {}).get("spec") or {}
+            parallelism = int(jspec.get("parallelism", 1))
+            per_replica = min(parallelism, int(jspec.get("completions", parallelism)))
+            pod_sets.append(
+                {
+                    "name": rjob["name"].lower(),
+                    "count": int(rjob.get("replicas", 1)) * per_replica,
+                    "template": copy.deepcopy(jspec.get("template") or {}),
+                }
+            )
+        return pod_sets
+
+    def _start_trainjob(self, key: Key, workload: dict[str, Any]) -> None:
+        """RunWithPodSetsInfo L243-L290: the admission's podSet info (the podset label:
+        reconciler.go getPodSetsInfoFromStatus L1583-L1625; the flavor's node labels and
+        tolerations: none for the sim's one flavor) as `replicatedJobs` of Kueue's own
+        runtime patch, then `spec.suspend: false`."""
+        assignments = ((workload.get("status") or {}).get("admission") or {}).get(
+            "podSetAssignments"
+        ) or []
+        patches = [
+            {
+                "name": a["name"],
+                "template": {
+                    "spec": {
+                        "template": {
+                            "metadata": {"labels": {PODSET_LABEL: a["name"]}},
+                            "spec": {},  # nodeSelector, tolerations, schedulingGates: none
+                        },
+                    }
+                },
+            }
+            for a in assignments
+        ]
+        with self.fake._lock:
+            current = self.get(key)
+            if current is None:
+                return
+            patch = _kueue_patch(current)
+            if patch is None:
+                return  # "kueue runtime patch not found" (L277-L280): an error, retried
+            template = patch.setdefault("trainingRuntimeSpec", {}).setdefault("template", {})
+            template.setdefault("spec", {})["replicatedJobs"] = patches
+            current["spec"]["suspend"] = False
+            self._put_valid("trainjobs", current)
+
+    def _stop_trainjob(self, key: Key) -> None:
+        """Stop L292-L313 with RestorePodSetsInfo L315-L322: suspend, and clear the
+        replicatedJobs of Kueue's runtime patch."""
+        with self.fake._lock:
+            current = self.get(key)
+            if current is None:
+                return
+            current.setdefault("spec", {})["suspend"] = True
+            patch = _kueue_patch(current)
+            template = ((patch or {}).get("trainingRuntimeSpec") or {}).get("template") or {}
+            (template.get("spec") or {}).pop("replicatedJobs", None)
+            self._put_valid("trainjobs", current)
+
+    def _put_valid(self, plural: str, obj: dict[str, Any]) -> None:
+        """An update as the API server takes it: refused (a sim error) when it does not
+        validate against the CRD."""
+        errors = self.fake.validate(plural, obj)
+        if errors:
+            self.sim.errors.append(f"{self.name}: {plural} {obj['metadata']['name']}: {errors}")
+            return
+        self.fake.put_object(plural, obj)
 
     def _reconcile_pod(self, key: Key) -> None:
         pod = self.get(key)
@@ -490,6 +686,16 @@ class Kueue(Controller):
         ]
         meta = workload["metadata"]
         self.fake.set_status(WORKLOADS, meta["name"], status, namespace=meta["namespace"])
+
+
+def _kueue_patch(tj: dict[str, Any]) -> dict[str, Any] | None:
+    """getKueueRuntimePatch L324-L331: the runtimePatches entry of manager
+    `kueue.x-k8s.io/manager` (the live object's, to be modified in place)."""
+    for patch in (tj.get("spec") or {}).get("runtimePatches") or []:
+        if patch.get("manager") == RUNTIME_PATCH_MANAGER:
+            out: dict[str, Any] = patch
+            return out
+    return None
 
 
 def _get_args(key: Key) -> tuple[str, str, str]:

@@ -45,8 +45,9 @@ RUN_LABEL = "kubellm.dev/run"
 # this namespace alone.
 COMPONENT_LABEL = {"kubellm.dev/component": "training"}
 # Kueue admits a job when its queue has room for all of its pods (gang scheduling), with its
-# `kubeflow.org/pytorchjob` integration on (off in the manifests Kueue ships). The label goes
-# on the job only: on a pod, Kueue's pod integration would queue each pod on its own.
+# `kubeflow.org/pytorchjob` integration on (off in the manifests Kueue ships) for PyTorchJobs,
+# `trainer.kubeflow.org/trainjob` (on there) for TrainJobs. The label goes on the job only: on
+# a pod, Kueue's pod integration would queue each pod on its own.
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 GPU_RESOURCE = "nvidia.com/gpu"
