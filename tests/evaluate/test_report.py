@@ -171,7 +171,15 @@ def test_the_decision_and_every_reason_of_the_gate_are_shown(margin: float) -> N
     section = report(gate=gate).one("section", "decision")
     assert section.attrs["class"] == f"decision {gate.decision}"
     assert section.one("span", "badge").text == gate.decision.upper()
-    assert [li.text for li in section.all("li")] == gate.reasons
+    items = section.all("li")
+    assert [li.text.split(" ", 2)[2] for li in items] == gate.reasons
+    # each check is marked: a rejected run shows which one failed
+    marks = [(li.attrs["class"], li.one("span", "mark").text) for li in items]
+    beats = next(i for i, why in enumerate(gate.reasons) if "vs champion v3" in why)
+    for i, (cls, mark) in enumerate(marks):
+        failed = margin == 0.5 and i == beats
+        assert (cls, mark) == (("fail", "\u2717 fail") if failed else ("pass", "\u2713 pass"))
+    assert gate.passed == [cls == "pass" for cls, _ in marks]
 
 
 def test_no_loss_history_is_said_in_words_not_drawn_as_empty_axes() -> None:

@@ -74,6 +74,15 @@ class Decision:
     decision: str
     metric: str
     reasons: list[str] = field(default_factory=list)
+    # per reason, whether that check passed (a promote passed them all)
+    passed: list[bool] = field(default_factory=list)
+
+    def checks(self) -> list[tuple[bool | None, str]]:
+        """(passed, reason) per check; None where a reason has no outcome recorded."""
+        return [
+            (self.passed[i] if i < len(self.passed) else None, why)
+            for i, why in enumerate(self.reasons)
+        ]
 
     @property
     def reason(self) -> str:
@@ -169,6 +178,7 @@ def decide(
                 f"{metric}: the evaluation data has no prompt/answer examples (plain text); "
                 "gate on perplexity (gate_metric=auto or perplexity)"
             ],
+            [False],
         )
     checks = [_absolute(metric, metrics, min_accuracy, max_perplexity)]
     if champion is not None:
@@ -193,4 +203,4 @@ def decide(
                 )
             )
     decision = PROMOTE if all(ok for ok, _ in checks) else REJECT
-    return Decision(decision, metric, [why for _, why in checks])
+    return Decision(decision, metric, [why for _, why in checks], [ok for ok, _ in checks])

@@ -270,13 +270,22 @@ def _loss_section(loss: Sequence[tuple[float, float]], name: str, no_loss: str) 
 
 def _decision(gate: Decision, against: str) -> str:
     kind = "promote" if gate.decision == PROMOTE else "reject"
-    reasons = "".join(f"<li>{_e(r)}</li>" for r in gate.reasons) or "<li>no reason given</li>"
+    reasons = "".join(_check_item(ok, why) for ok, why in gate.checks())
+    reasons = reasons or "<li>no reason given</li>"
     return (
         f'<section class="decision {kind}">'
         f'<p><span class="badge">{_e(gate.decision.upper())}</span> '
         f"gate metric <code>{_e(gate.metric)}</code>, against {_e(against)}</p>"
         f'<ul class="reasons">{reasons}</ul></section>'
     )
+
+
+def _check_item(ok: bool | None, why: str) -> str:
+    """One gate check: marked pass or fail, so a rejected run shows which check failed."""
+    if ok is None:
+        return f"<li>{_e(why)}</li>"
+    mark, cls = ("&#10003; pass", "pass") if ok else ("&#10007; fail", "fail")
+    return f'<li class="{cls}"><span class="mark">{mark}</span> {_e(why)}</li>'
 
 
 def _key_values(rows: Mapping[str, Any], cls: str, heading: str = "") -> str:
@@ -431,6 +440,7 @@ tr.gate-metric{background:#fff8c5}
 .badge{font-weight:700;font-size:18px;letter-spacing:.04em}
 .promote .badge{color:#1a7f37}.reject .badge{color:#cf222e}
 .reasons{margin:6px 0 0;padding-left:20px}
+.reasons .mark{font-weight:700}.pass .mark{color:#1a7f37}.fail .mark{color:#cf222e}
 td.better{color:#1a7f37}td.worse{color:#cf222e}.none{color:#6e7781}
 .ok{color:#1a7f37;font-weight:700}.miss{color:#cf222e;font-weight:700}
 table.samples td{max-width:320px}
