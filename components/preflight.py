@@ -79,6 +79,8 @@ def preflight(
     job_cpu: str,
     job_memory: str,
     job_max_restarts: int,
+    elastic_min_nodes: int,
+    elastic_max_restarts: int,
     step_cpu: str,
     step_memory: str,
     shm_size: str,

@@ -274,3 +274,41 @@ def test_valid_serving_placement_is_kept_as_given() -> None:
     assert cfg.serving_node_selector == {"nvidia.com/gpu.product": "NVIDIA-L4", "pool": ""}
     # a base model's context is its own config's: no upper bound known before it loads
     assert pipeline_config({"base_model": "org/m", "serving_max_model_len": 32768})
+
+
+# -- elastic PyTorchJob (issue 24, acceptance 3) -----------------------------------------------
+
+ELASTIC_ERRORS = [
+    Case(
+        ["num_nodes=2", "elastic_min_nodes=3"],
+        ["elastic_min_nodes (3) is above num_nodes (2), the elastic job's maxReplicas"],
+    ),
+    Case(
+        ["num_nodes=2", "elastic_min_nodes=1", "trainer_backend=trainjob"],
+        ["elastic_min_nodes=1 needs trainer_backend=pytorchjob", "TrainJob"],
+    ),
+    Case(
+        ["elastic_min_nodes=1", "platform=local"],
+        ["elastic_min_nodes=1 needs platform=kubernetes"],
+    ),
+    Case(["elastic_min_nodes=-1"], ["elastic_min_nodes=-1", ">= 0"]),
+    Case(["elastic_max_restarts=101"], ["elastic_max_restarts=101", "<= 100"]),
+]
+
+
+@pytest.mark.parametrize("case", ELASTIC_ERRORS, ids=lambda c: " ".join(c.overrides))
+def test_elastic_options_are_refused_where_no_elastic_pytorchjob_runs(case: Case) -> None:
+    with pytest.raises(ConfigError) as info:
+        pipeline_config(parse_overrides(case.overrides))
+    assert "\n" not in str(info.value)
+    for fragment in case.fragments:
+        assert fragment in str(info.value)
+
+
+def test_elastic_settings_reach_the_cluster_settings() -> None:
+    from kubellm.backends.kubernetes.podspec import ClusterSettings
+
+    cfg = pipeline_config({"num_nodes": 2, "elastic_min_nodes": 1, "elastic_max_restarts": 5})
+    settings = ClusterSettings.from_config(cfg)
+    assert (settings.elastic_min_nodes, settings.elastic_max_restarts) == (1, 5)
+    assert ClusterSettings.from_config(pipeline_config()).elastic_min_nodes == 0

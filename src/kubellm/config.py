@@ -619,6 +619,23 @@ class PipelineConfig(_Strict):
         description="Retryable failures (pods recreated after a pre-emption or a retryable "
         "exit) a training job may have; one more and the step deletes it and fails.",
     )
+    elastic_min_nodes: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="0: a fixed-size PyTorchJob (one Master, num_nodes-1 Workers). Above 0: an "
+        "elastic PyTorchJob (trainer_backend=pytorchjob): num_nodes Workers and no Master, "
+        "elasticPolicy minReplicas this and maxReplicas num_nodes, torchrun's c10d rendezvous "
+        "on worker-0; a failed pod's group restarts and resumes from the last checkpoint.",
+    )
+    elastic_max_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description="With elastic_min_nodes: how many times torchrun's elastic agent in each "
+        "pod restarts the worker group (elasticPolicy.maxRestarts, PET_MAX_RESTARTS) after a "
+        "worker or a peer pod fails, before its pod fails.",
+    )
     step_cpu: Quantity = Field("1", description="CPU request and limit of each pipeline step.")
     step_memory: Quantity = Field(
         "4Gi", description="Memory request and limit of each pipeline step."
@@ -797,6 +814,7 @@ class PipelineConfig(_Strict):
                 f"serving_min_replicas ({self.serving_min_replicas})"
             )
         self._serving_consistent()
+        self._elastic_consistent()
         if self.tune_trials and self.tune_max_failed >= self.tune_trials:
             raise ValueError(
                 f"tune_max_failed ({self.tune_max_failed}) must be below tune_trials "
@@ -830,6 +848,29 @@ class PipelineConfig(_Strict):
         """max_position_embeddings of the model a run trains from config (no base_model;
         kubellm.stages.configs.model_shape): the longest context it can serve."""
         return max(MIN_CONTEXT, self.seq_len)
+
+    def _elastic_consistent(self) -> None:
+        """An elastic job is the Training Operator's PyTorchJob elasticPolicy: refused where
+        no PyTorchJob runs the training, and a minimum above the job's size."""
+        if not self.elastic_min_nodes:
+            return
+        if self.trainer_backend != "pytorchjob":
+            raise ValueError(
+                f"elastic_min_nodes={self.elastic_min_nodes} needs trainer_backend=pytorchjob: "
+                "an elastic job is the Training Operator v1 PyTorchJob's elasticPolicy, which "
+                f"a Trainer v2 TrainJob (trainer_backend={self.trainer_backend}) does not have"
+            )
+        if self.platform != "kubernetes":
+            raise ValueError(
+                f"elastic_min_nodes={self.elastic_min_nodes} needs platform=kubernetes (a "
+                f"PyTorchJob's elasticPolicy); platform={self.platform} runs one torchrun on "
+                "this machine"
+            )
+        if self.elastic_min_nodes > self.num_nodes:
+            raise ValueError(
+                f"elastic_min_nodes ({self.elastic_min_nodes}) is above num_nodes "
+                f"({self.num_nodes}), the elastic job's maxReplicas"
+            )
 
     def _serving_consistent(self) -> None:
         """Serving settings the runtime would refuse at load, or ignore, refused here."""

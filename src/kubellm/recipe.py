@@ -95,6 +95,8 @@ OPERATIONAL_FIELDS = frozenset(
         "job_cpu",
         "job_memory",
         "job_max_restarts",
+        "elastic_min_nodes",
+        "elastic_max_restarts",
         "step_cpu",
         "step_memory",
         "shm_size",

@@ -245,7 +245,23 @@ def pytorchjob_semantics(body: dict[str, Any], prefix: str = "") -> list[str]:
     # pkg/webhooks/pytorch: validation.IsDNS1035Label(job name) (Katib names trial jobs).
     if name is not None and (len(name) > 63 or not _KATIB_NAME.match(name)):
         errors.append(f"{p}metadata.name: {name!r} is not a DNS-1035 label (PyTorchJob webhook)")
-    specs = (body.get("spec") or {}).get("pytorchReplicaSpecs") or {}
+    spec = body.get("spec") or {}
+    specs = spec.get("pytorchReplicaSpecs") or {}
+    # pkg/webhooks/pytorch validateSpec: an elasticPolicy needs a Worker spec, and its
+    # deprecated nProcPerNode must not come with spec.nprocPerNode (the deprecation warning
+    # itself is not simulated).
+    elastic = spec.get("elasticPolicy")
+    if elastic is not None:
+        if "Worker" not in specs:
+            errors.append(
+                f"{p}spec.pytorchReplicaSpecs[Worker]: Required value: must be configured if "
+                "elastic policy is used"
+            )
+        if elastic.get("nProcPerNode") is not None and spec.get("nprocPerNode") is not None:
+            errors.append(
+                f"{p}spec.elasticPolicy.nProcPerNode: Forbidden: must not be used with "
+                "spec.nprocPerNode"
+            )
     for rtype, rspec in specs.items():
         where = f"{p}spec.pytorchReplicaSpecs.{rtype}"
         if rtype not in ("Master", "Worker"):

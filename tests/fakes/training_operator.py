@@ -20,8 +20,21 @@ code each behaviour comes from (paths at that tag; `common/` is pkg/controller.v
   counting 1), RANK and PET_NODE_RANK (master 0, worker i is i+1); PET_NPROC_PER_NODE;
   PET_NNODES (replicas). Sim difference: MASTER_ADDR is 127.0.0.1, not the master's Service
   name `<job>-master-0`, and the port is a free port per job, not the container's
-  pytorchjob-port (23456), so jobs can run side by side on one machine. elasticPolicy is not
-  simulated.
+  pytorchjob-port (23456), so jobs can run side by side on one machine.
+- elasticPolicy (pytorch/elastic.go Generate L68-122, pytorch_defaults.go setElasticPolicy
+  L38-55 and setDefaultNprocPerNode L68-74): min and max replicas default from each other,
+  or both from the Worker replicas; the env has, instead of PET_NNODES=<replicas>,
+  PET_RDZV_ENDPOINT (rdzvHost or `<job>-worker-0`, rdzvPort or the Worker's pytorchjob-port),
+  PET_RDZV_BACKEND (rdzvBackend or c10d), PET_NNODES `min:max`, then PET_MAX_RESTARTS,
+  PET_NPROC_PER_NODE (the deprecated elasticPolicy.nProcPerNode, which also keeps
+  spec.nprocPerNode from defaulting to auto), PET_RDZV_ID, PET_RDZV_CONF (`k=v,k=v`) and
+  PET_STANDALONE when set. Sim difference: the default endpoint is 127.0.0.1 on a free port
+  per job (as MASTER_ADDR above); every pod's agent then takes itself for the endpoint's host
+  (a loopback address, torch's _matches_machine_hostname), and the first to bind the port
+  hosts the c10d TCPStore, where on a cluster only `<job>-worker-0` matches it. torchrun's
+  elastic agent is the real one, in the pods' processes. Metrics (an HPA) are not simulated.
+- the master role (pytorchjob_controller.go IsMasterRole L499-506): the Master, or in a job
+  without one Worker 0, gets `training.kubeflow.org/job-role: master`.
 - the `init-pytorch` init container (pytorch/initcontainer.go L35-46, setInitContainer
   L105-136; the image and tries from pkg/config/config.go L28, L33): appended to every
   Worker pod of a job with a Master. It waits for the master's Service name to resolve;
@@ -143,6 +156,21 @@ def exit_code(pod: dict[str, Any]) -> int:
     return code
 
 
+def elastic_policy(job: dict[str, Any], specs: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """spec.elasticPolicy with the defaults of setElasticPolicy (pytorch_defaults.go L38-55):
+    min and max from each other, or both from the Worker replicas; None without one."""
+    policy = (job.get("spec") or {}).get("elasticPolicy")
+    if policy is None:
+        return None
+    policy = dict(policy)
+    low, high = policy.get("minReplicas"), policy.get("maxReplicas")
+    if low is None and high is None:
+        low = high = int((specs.get("Worker") or {}).get("replicas", 1))
+    policy["minReplicas"] = low if low is not None else high
+    policy["maxReplicas"] = high if high is not None else low
+    return policy
+
+
 def init_container(job_name: str) -> dict[str, Any]:
     """pytorch/initcontainer.go initContainerTemplate (L35-46) with the default image and
     tries, for MasterAddr `<job>-master-0` (replicaName, envvar.go L150-153)."""
@@ -169,6 +197,7 @@ class TrainingOperator(Controller):
     def __init__(self, sim: Any) -> None:
         super().__init__(sim)
         self._ports: dict[str, int] = {}  # job uid -> its master port
+        self._rdzv_ports: dict[str, int] = {}  # job uid -> its elastic rendezvous port
 
     def keys_for(self, event: Event) -> Iterable[Key]:
         if event.plural == "pytorchjobs":
@@ -379,7 +408,8 @@ class TrainingOperator(Controller):
                         )
                         return
             elif rtype == "Worker":
-                if expected == 0:
+                elastic = (job.get("spec") or {}).get("elasticPolicy") is not None
+                if expected == 0 or (elastic and succeeded > 0):  # L404-418
                     status.setdefault("completionTime", now_rfc3339())
                     update_condition(
                         status,
@@ -437,7 +467,7 @@ class TrainingOperator(Controller):
                 REPLICA_INDEX: str(index),
             }
         )
-        if rtype == "Master":
+        if rtype == "Master" or ("Master" not in specs and index == 0):  # IsMasterRole
             labels[JOB_ROLE] = "master"
         pod_spec = template.get("spec") or {}
         pod_spec["restartPolicy"] = (
@@ -445,8 +475,11 @@ class TrainingOperator(Controller):
         )
         port = self._ports.setdefault(uid, free_port())
         total = sum(int(s["replicas"]) for s in specs.values())
-        nproc = str((job.get("spec") or {}).get("nprocPerNode") or "auto")
-        per_node = int(nproc) if nproc.isdigit() else 1  # getNprocPerNodeInt L132-140
+        elastic = elastic_policy(job, specs)
+        nproc: str | None = (job.get("spec") or {}).get("nprocPerNode")
+        if nproc is None and (elastic is None or elastic.get("nProcPerNode") is None):
+            nproc = "auto"  # setDefaultNprocPerNode (pytorch_defaults.go L68-74)
+        per_node = int(nproc) if nproc and nproc.isdigit() else 1  # getNprocPerNodeInt
         rank = index + 1 if rtype == "Worker" else index
         for container in pod_spec.get("containers") or []:
             if container.get("name") == CONTAINER and not any(
@@ -467,8 +500,12 @@ class TrainingOperator(Controller):
                     {"name": "RANK", "value": str(rank)},
                     {"name": "PET_NODE_RANK", "value": str(rank)},
                 ]
-            env.append({"name": "PET_NPROC_PER_NODE", "value": nproc})
-            env.append({"name": "PET_NNODES", "value": str(total)})
+            if nproc is not None:
+                env.append({"name": "PET_NPROC_PER_NODE", "value": nproc})
+            if elastic is not None:  # envvar.go L106-116
+                env += self._elastic_env(job, elastic)
+            else:
+                env.append({"name": "PET_NNODES", "value": str(total)})
         if rtype == "Worker" and "Master" in specs:  # setInitContainer L116-134
             pod_spec["initContainers"] = [
                 *(pod_spec.get("initContainers") or []),
@@ -490,6 +527,36 @@ class TrainingOperator(Controller):
         except ApiError as e:
             if e.code != 409:  # 409: a pod of a previous round is still there
                 self.sim.errors.append(f"{self.name}: creating pod {pod['metadata']['name']}: {e}")
+
+    def _elastic_env(self, job: dict[str, Any], elastic: dict[str, Any]) -> list[dict[str, str]]:
+        """pytorch/elastic.go ElasticEnvVarGenerator.Generate (L68-122), in its order."""
+        uid = job["metadata"]["uid"]
+        host = elastic.get("rdzvHost")
+        port = elastic.get("rdzvPort")
+        if host is None:  # `<job>-worker-0` (L149-150): here, loopback (see the docstring)
+            host = "127.0.0.1"
+        if port is None:  # the Worker's pytorchjob-port (L156-161): here, a free port
+            port = self._rdzv_ports.setdefault(uid, free_port())
+        env = [
+            {"name": "PET_RDZV_ENDPOINT", "value": f"{host}:{port}"},
+            {"name": "PET_RDZV_BACKEND", "value": str(elastic.get("rdzvBackend") or "c10d")},
+            {
+                "name": "PET_NNODES",
+                "value": f"{elastic['minReplicas']}:{elastic['maxReplicas']}",
+            },
+        ]
+        if elastic.get("maxRestarts") is not None:
+            env.append({"name": "PET_MAX_RESTARTS", "value": str(elastic["maxRestarts"])})
+        if elastic.get("nProcPerNode") is not None:
+            env.append({"name": "PET_NPROC_PER_NODE", "value": str(elastic["nProcPerNode"])})
+        if elastic.get("rdzvId") is not None:
+            env.append({"name": "PET_RDZV_ID", "value": str(elastic["rdzvId"])})
+        if elastic.get("rdzvConf") is not None:  # L171-184: k=v joined by commas
+            conf = ",".join(f"{c.get('key', '')}={c.get('value', '')}" for c in elastic["rdzvConf"])
+            env.append({"name": "PET_RDZV_CONF", "value": conf})
+        if elastic.get("standalone"):
+            env.append({"name": "PET_STANDALONE", "value": ""})
+        return env
 
     def _delete_pod(self, pod: dict[str, Any]) -> None:
         with contextlib.suppress(ApiError):
@@ -519,6 +586,7 @@ class TrainingOperator(Controller):
         with contextlib.suppress(ApiError):
             self.fake.delete_object("pytorchjobs", key[2], key[1])
         self._ports.pop(job["metadata"]["uid"], None)
+        self._rdzv_ports.pop(job["metadata"]["uid"], None)
 
     def _write(self, key: Key, status: dict[str, Any], before: dict[str, Any]) -> None:
         if status != before:

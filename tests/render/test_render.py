@@ -39,6 +39,8 @@ OPTION_SETS = {
     },
     "volcano-grid": {**GPU, "queue": "q", "gang_scheduler": "volcano", "tune_algorithm": "grid"},
     "no-tuning-long-name": {"tune_trials": 0, "model_name": "x" * 45},
+    # elasticPolicy: Workers only, c10d, min 1 and max num_nodes (the webhook's rules too)
+    "elastic": {**GPU, "elastic_min_nodes": 1, "elastic_max_restarts": 2},
 }
 
 

@@ -16,8 +16,13 @@ from kubellm.commands.render import objects
 from kubellm.config import pipeline_config
 
 TRAINER_V2 = {"trainer_backend": "trainjob"}
-# Trainer v2.3's runtimePatches cannot set priorityClassName; Volcano needs a podGroupPolicy.
-UNSUPPORTED = {"kueue-placement": "priority_class", "volcano-grid": "volcano"}
+# Trainer v2.3's runtimePatches cannot set priorityClassName; Volcano needs a podGroupPolicy;
+# an elastic job is a PyTorchJob's elasticPolicy (refused by the config).
+UNSUPPORTED = {
+    "kueue-placement": "priority_class",
+    "volcano-grid": "volcano",
+    "elastic": "elastic_min_nodes=1 needs trainer_backend=pytorchjob",
+}
 SUPPORTED = {k: v for k, v in OPTION_SETS.items() if k not in UNSUPPORTED}
 SUPPORTED["kueue-placement-no-priority"] = {
     k: v for k, v in OPTION_SETS["kueue-placement"].items() if k != "priority_class"

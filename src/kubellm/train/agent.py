@@ -19,6 +19,9 @@ Same arguments as torchrun (it is torchrun, run in this process). Three things d
                           kubellm.train.fabric): not retried
     200 (EXIT_PREEMPTED)  a worker checkpointed on SIGTERM / SIGUSR1, or this launcher was
                           told to stop (SIGTERM / SIGUSR1): retried, resumes the checkpoint
+    201 (EXIT_RENDEZVOUS_LOST)  the c10d rendezvous store is gone (an elastic PyTorchJob
+                          whose worker-0, the store's host, died): retried, so the operator
+                          recreates this pod too and the new group resumes the checkpoint
     1                     anything else (a crash): not retried
 
 With KUBELLM_LOG_DIR set (a Katib trial's pods; backends/kubernetes/katib.py) everything
@@ -42,6 +45,7 @@ import sys
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from kubellm.train.preempt import EXIT_PREEMPTED
 from kubellm.train.tee import Tee, log_path
@@ -50,6 +54,10 @@ _HANDLED = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 # Worker exit codes that name a permanent failure; passed on as they are (1-127 are not
 # retried under the PyTorchJob's restartPolicy ExitCode).
 PERMANENT = (2, 3, 4)
+# The agent lost its rendezvous store (retryable: 128-255). torchrun's c10d backend keeps
+# the store in the agent of the endpoint's host; when that pod dies, the other agents cannot
+# meet again through it, and only new pods (a new store) can.
+EXIT_RENDEZVOUS_LOST = 201
 
 
 def exit_code(failure_codes: list[int], first: int) -> int:
@@ -83,6 +91,14 @@ def _launch(argv: list[str] | None) -> int:
             )
             return EXIT_PREEMPTED
         return 128 + int(err.sigval)
+    except RendezvousConnectionError as err:
+        print(
+            f"launch: the rendezvous store is unreachable ({err}); exiting with "
+            f"{EXIT_RENDEZVOUS_LOST} (retryable: a new pod meets the group again)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_RENDEZVOUS_LOST
     except ChildFailedError as err:
         _, first = err.get_first_failure()
         code = exit_code([f.exitcode for f in err.failures.values()], first.exitcode)

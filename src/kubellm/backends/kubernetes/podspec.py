@@ -89,6 +89,10 @@ class ClusterSettings:
     ttl_seconds: int | None = None  # ttlSecondsAfterFinished
     grace_seconds: int | None = None  # pods' terminationGracePeriodSeconds (the SIGTERM save)
     max_restarts: int = 3  # pod recreations a job may have before the step deletes it
+    # elastic PyTorchJob (elasticPolicy): 0 is a fixed-size job; else its minReplicas, and
+    # torchrun's worker-group restarts in each pod (maxRestarts)
+    elastic_min_nodes: int = 0
+    elastic_max_restarts: int = 3
     fabric: str = "tcp"
     rdma_resource: str = "rdma/rdma_shared_device_a"
     rdma_count: int = 1
@@ -111,6 +115,8 @@ class ClusterSettings:
             ttl_seconds=cfg.job_ttl_hours * 3600,
             grace_seconds=cfg.job_grace_seconds,
             max_restarts=cfg.job_max_restarts,
+            elastic_min_nodes=cfg.elastic_min_nodes,
+            elastic_max_restarts=cfg.elastic_max_restarts,
             fabric=cfg.fabric,
             rdma_resource=cfg.rdma_resource,
             rdma_count=cfg.rdma_count,

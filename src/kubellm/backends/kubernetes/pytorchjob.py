@@ -22,6 +22,7 @@ from typing import Any
 
 from kubeflow.training.constants import constants as to
 from kubeflow.training.models import (
+    KubeflowOrgV1ElasticPolicy,
     KubeflowOrgV1PyTorchJob,
     KubeflowOrgV1PyTorchJobSpec,
     KubeflowOrgV1ReplicaSpec,
@@ -64,6 +65,10 @@ CONTAINER = to.PYTORCHJOB_CONTAINER
 # The operator's label on the master's pods (Katib's metrics collector selects by it).
 MASTER_ROLE_LABELS = {to.JOB_ROLE_LABEL: to.JOB_ROLE_MASTER}
 SCRATCH = "/tmp"
+# The rendezvous backend of an elastic job: the operator's default (elastic.go#L186-L196 at
+# v1.9.0), set explicitly so the job says what it runs. c10d needs no etcd: the TCPStore is
+# hosted by the torchrun agent of `<job>-worker-0` (the endpoint's host, elastic.go#L149-L150).
+RDZV_BACKEND = "c10d"
 
 
 def build_pytorchjob(
@@ -80,15 +85,27 @@ def build_pytorchjob(
             f"got {job.nnodes} and {job.nproc_per_node}"
         )
     template = job_pod_template(job, cluster)
-    replicas = {
-        to.REPLICA_TYPE_MASTER: KubeflowOrgV1ReplicaSpec(
-            replicas=1, restart_policy="ExitCode", template=template
-        )
-    }
-    if job.nnodes > 1:
-        replicas[to.REPLICA_TYPE_WORKER] = KubeflowOrgV1ReplicaSpec(
-            replicas=job.nnodes - 1, restart_policy="ExitCode", template=template
-        )
+    elastic = elastic_policy(job, cluster)
+    if elastic is not None:
+        # Elastic: Workers only. The operator's rendezvous endpoint is `<job>-worker-0` on
+        # the Worker's pytorchjob-port (elastic.go#L146-L168 at v1.9.0), its webhook wants
+        # a Worker spec (pytorchjob_webhook.go#L96-L101), and without a Master worker-0 is
+        # the job's master role (pytorchjob_controller.go#L499-L506).
+        replicas = {
+            to.REPLICA_TYPE_WORKER: KubeflowOrgV1ReplicaSpec(
+                replicas=job.nnodes, restart_policy="ExitCode", template=template
+            )
+        }
+    else:
+        replicas = {
+            to.REPLICA_TYPE_MASTER: KubeflowOrgV1ReplicaSpec(
+                replicas=1, restart_policy="ExitCode", template=template
+            )
+        }
+        if job.nnodes > 1:
+            replicas[to.REPLICA_TYPE_WORKER] = KubeflowOrgV1ReplicaSpec(
+                replicas=job.nnodes - 1, restart_policy="ExitCode", template=template
+            )
     scheduling = None
     if cluster.queue and cluster.gang_scheduler == "volcano":
         # The operator's gang scheduling (run with --gang-scheduler-name=volcano): a PodGroup
@@ -105,7 +122,10 @@ def build_pytorchjob(
             name=dns_name(job.name), namespace=job.namespace, labels=cluster.labels()
         ),
         spec=KubeflowOrgV1PyTorchJobSpec(
+            # spec.nprocPerNode, never elasticPolicy.nProcPerNode: deprecated, and the webhook
+            # refuses the two together (pytorchjob_webhook.go#L102-L109 at v1.9.0)
             nproc_per_node=str(job.nproc_per_node),
+            elastic_policy=elastic,
             pytorch_replica_specs=replicas,
             run_policy=KubeflowOrgV1RunPolicy(
                 # Keep finished pods: their logs say what happened (deleted with the job).
@@ -124,6 +144,36 @@ def build_pytorchjob(
     )
 
 
+def elastic_policy(job: TrainJob, cluster: ClusterSettings) -> KubeflowOrgV1ElasticPolicy | None:
+    """The job's elasticPolicy, or None for a fixed-size job (`cluster.elastic_min_nodes` 0).
+
+    The operator turns it into torchrun's settings in every pod (pkg/controller.v1/pytorch/
+    elastic.go Generate, L68-L122 at v1.9.0): PET_RDZV_ENDPOINT `<job>-worker-0:23456`,
+    PET_RDZV_BACKEND c10d, PET_NNODES `min:max`, PET_MAX_RESTARTS. So each pod's agent
+    (kubellm.train.agent, torchrun) joins one c10d rendezvous; when a worker or a peer pod
+    dies, the survivors' agents restart their workers (up to maxRestarts times), the
+    operator recreates the dead pod under restartPolicy ExitCode (exit 128-255), and the
+    group meets again and resumes from the last checkpoint. When worker-0 dies, the
+    rendezvous store its agent hosted goes too: the other agents exit EXIT_RENDEZVOUS_LOST
+    (201, retryable; kubellm.train.agent) and are recreated as well. minReplicas below
+    nnodes lets the group go on with fewer nodes after torchrun's last-call wait: with
+    another world size the data order, and so the weights, differ from a full run's.
+    """
+    if not cluster.elastic_min_nodes:
+        return None
+    if cluster.elastic_min_nodes > job.nnodes:
+        raise ValueError(
+            f"TrainJob {job.name!r}: elastic_min_nodes ({cluster.elastic_min_nodes}) is above "
+            f"nnodes ({job.nnodes}), the elastic job's maxReplicas"
+        )
+    return KubeflowOrgV1ElasticPolicy(
+        min_replicas=cluster.elastic_min_nodes,
+        max_replicas=job.nnodes,
+        max_restarts=cluster.elastic_max_restarts,
+        rdzv_backend=RDZV_BACKEND,
+    )
+
+
 def pytorchjob_manifest(job: TrainJob, cluster: ClusterSettings | None = None) -> dict[str, Any]:
     """`build_pytorchjob` as the JSON body the API server receives."""
     return to_dict(build_pytorchjob(job, cluster))
@@ -132,6 +182,14 @@ def pytorchjob_manifest(job: TrainJob, cluster: ClusterSettings | None = None) -
 def master_selector(name: str) -> str:
     """Labels the operator puts on the master pod of PyTorchJob `name`."""
     return f"{to.JOB_NAME_LABEL}={name},{to.REPLICA_TYPE_LABEL}={to.REPLICA_TYPE_MASTER.lower()}"
+
+
+def master_role_selector(name: str) -> str:
+    """Labels of the pod the operator gives the master role: the Master, or in a job without
+    one (elastic) worker-0 (pytorchjob_controller.go IsMasterRole, L499-L506 at v1.9.0).
+    Its log carries global rank 0's metric lines: c10d ranks nodes by their sorted host
+    names, and `<job>-worker-0` sorts first."""
+    return f"{to.JOB_NAME_LABEL}={name},{to.JOB_ROLE_LABEL}={to.JOB_ROLE_MASTER}"
 
 
 def job_selector(name: str) -> str:
@@ -358,7 +416,9 @@ class PyTorchJobTrainer(OnCluster, Trainer):
             timeout_s=job.timeout_s,
             done=lambda obj: condition_is_true(obj, "Succeeded"),
             failure=failed_condition,
-            follow_logs=master_selector(name),
+            follow_logs=master_role_selector(name)
+            if self.cluster.elastic_min_nodes
+            else master_selector(name),
             log_container=CONTAINER,
             queued=pytorchjob_queued,
             pod_watch=RetryCount(name, self.cluster.max_restarts).watch(),
