@@ -906,8 +906,14 @@ def test_sim_a_retryable_exit_loops_past_the_backoff_limit_until_max_restarts(
     sim: SimCluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The operator (release-1.9) recreates a master that exits 143 past the job's
-    backoffLimit (3); the step deletes the job after max_restarts (4), saying why."""
-    swap_command(monkeypatch, "print('attempt', flush=True); raise SystemExit(143)")
+    backoffLimit (3); the step deletes the job after max_restarts (4), saying why. Each
+    attempt lives a moment after its line, as a trainer does before it fails: a pod that
+    ends and is replaced within milliseconds (the sim's operator, unlike a cluster's) can
+    be gone before its log is read, and then there is no tail to quote."""
+    swap_command(
+        monkeypatch,
+        "import time; print('attempt', flush=True); time.sleep(0.3); raise SystemExit(143)",
+    )
     trainer = PyTorchJobTrainer(
         sim.api_client(), cluster=ClusterSettings(max_restarts=4), poll_interval_s=POLL_S
     )
