@@ -7,6 +7,7 @@ the fake API server as PyTorchJobTrainer drives a PyTorchJob.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from kubellm.backends.kubernetes.podspec import ClusterSettings
 from kubellm.backends.kubernetes.pytorchjob import job_pod_template
 from kubellm.backends.kubernetes.trainjob import (
     ANCESTOR_LABEL,
+    DEADLINE_GRACE_S,
     NODE,
     RUNTIME_NAME,
     TORCH_RESERVED_ENV,
@@ -221,7 +223,8 @@ def test_the_node_pod_is_the_pytorchjobs_pod(case: Case) -> None:
     assert body["spec"]["trainer"]["numNodes"] == train_job.nnodes
     assert body["spec"]["trainer"]["numProcPerNode"] == train_job.nproc_per_node
     assert body["spec"]["runtimeRef"]["name"] == RUNTIME_NAME
-    assert body["spec"]["activeDeadlineSeconds"] == int(train_job.timeout_s)
+    deadline = math.ceil(train_job.timeout_s) + DEADLINE_GRACE_S  # after the step's timeout
+    assert body["spec"]["activeDeadlineSeconds"] == deadline
     assert body["metadata"]["labels"] == case.cluster.labels()
 
 

@@ -31,6 +31,7 @@ Example (a cluster with Trainer v2.3 and `kubectl apply -k manifests/cluster/tra
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kubeflow_trainer_api import models as tm
@@ -72,6 +73,14 @@ COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 # The agent's exits that are no pre-emption (train/agent.py): the Job fails at once and JobSet
 # does not restart it (a FailJobSet rule on reason PodFailurePolicy), unlike 200 or a signal.
 PERMANENT_EXITS = [1, 2, 3, 4]
+# How much later than the step's timeout the TrainJob's activeDeadlineSeconds ends it. The
+# step's timeout deletes the TrainJob (its JobSet, Jobs and pods go with it) and says so
+# (JobTimeout); Trainer v2 requeues a TrainJob at its deadline (trainjob_controller.go
+# reconcileDeadline L155-L191 at v2.3.0, RequeueAfter), counted from the creationTimestamp
+# (whole seconds) or the resume, so at the same deadline it would often come first: the step
+# would fail with DeadlineExceeded and leave the TrainJob behind. The deadline is the
+# backstop for a step that is gone.
+DEADLINE_GRACE_S = 60
 
 
 def _check(job: TrainJob, cluster: ClusterSettings) -> None:
@@ -168,8 +177,9 @@ def build_trainjob(
                 },
                 "trainer": {k: v for k, v in trainer.items() if v is not None},
                 "runtimePatches": [patch],
-                # Counted from the start, restarted on resume (Kueue): the step's timeout.
-                "activeDeadlineSeconds": max(1, int(job.timeout_s)),
+                # Counted from the start, restarted on resume (Kueue): the step's timeout,
+                # plus a grace (DEADLINE_GRACE_S) so the step's own timeout comes first.
+                "activeDeadlineSeconds": math.ceil(job.timeout_s) + DEADLINE_GRACE_S,
             },
         }
     )
