@@ -369,3 +369,23 @@ def test_trainer_backend_selects_the_trainer(backend: str, kind: str) -> None:
 
     cfg = pipeline_config({"platform": "kubernetes", "trainer_backend": backend})
     assert type(select(cfg, "run-1").trainer).__name__ == f"{kind}Trainer"
+
+
+def test_the_state_the_step_prints_comes_from_the_node_jobs_while_it_runs() -> None:
+    # Trainer v2.3 writes no Running condition: without jobsStatus every running TrainJob
+    # would print (and time out as) `Pending`
+    from kubellm.backends.kubernetes.trainjob import trainjob_state
+
+    def state(status: dict[str, Any]) -> str:
+        return trainjob_state({"status": status})
+
+    node = {"name": "node", "active": 2, "ready": 2, "succeeded": 0, "failed": 0}
+    assert state({}) == "Pending"
+    assert state({"jobsStatus": [node]}) == "Running (node: 2 active, 2 ready)"
+    complete = {"type": "Complete", "status": "True", "reason": "AllJobsCompleted"}
+    done = {**node, "active": 0, "ready": 0, "succeeded": 1}
+    assert state({"conditions": [complete], "jobsStatus": [done]}) == "Complete"
+    suspended = {"type": "Suspended", "status": "True", "reason": "Suspended"}
+    assert state({"conditions": [suspended]}) == "Suspended"
+    resumed = {**suspended, "status": "False", "reason": "Resumed"}
+    assert state({"conditions": [resumed], "jobsStatus": [node]}).startswith("Running (node:")

@@ -42,6 +42,7 @@ from kubellm.backends.kubernetes.client import (
     OnCluster,
     condition_is_true,
     failed_condition,
+    status_summary,
     to_dict,
 )
 from kubellm.backends.kubernetes.podspec import KUEUE_QUEUE_LABEL, MANAGED_BY, ClusterSettings
@@ -288,6 +289,26 @@ def node0_selector(name: str) -> str:
     )
 
 
+def trainjob_state(obj: dict[str, Any]) -> str:
+    """What the step prints on each change: the newest true condition once there is one
+    that says something (Complete, Failed, Suspended), else the node Jobs' counts from
+    jobsStatus (Trainer v2.3 has no Running condition: trainjob_types.go), e.g.
+    `Running (node: 2 active, 2 ready)`."""
+    summary = status_summary(obj)
+    if summary in ("Complete", "Failed", "Suspended"):
+        return summary
+    jobs = (obj.get("status") or {}).get("jobsStatus") or []
+    counts = [
+        f"{j.get('name')}: "
+        + ", ".join(f"{j[k]} {k}" for k in ("active", "ready", "succeeded", "failed") if j.get(k))
+        for j in jobs
+        if any(j.get(k) for k in ("active", "ready", "succeeded", "failed"))
+    ]
+    if any(j.get("active") for j in jobs):
+        return f"Running ({'; '.join(counts)})"
+    return f"{summary} ({'; '.join(counts)})" if counts else summary
+
+
 def trainjob_queued(obj: dict[str, Any]) -> str | None:
     """Why the TrainJob waits, or None: suspended (`spec.suspend`, Kueue's until admission)
     or its `Suspended` condition True (trainjob_types.go TrainJobSuspended)."""
@@ -315,6 +336,7 @@ class TrainJobTrainer(OnCluster, Trainer):
             # trainjob_types.go TrainJobComplete / TrainJobFailed
             done=lambda obj: condition_is_true(obj, "Complete"),
             failure=failed_condition,
+            describe=trainjob_state,
             follow_logs=node0_selector(name),
             log_container=NODE,
             queued=trainjob_queued,
