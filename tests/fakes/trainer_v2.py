@@ -69,6 +69,7 @@ import contextlib
 import copy
 import json
 import math
+import re
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -79,6 +80,7 @@ from .sim_base import Controller, Key, find_condition, free_port, is_true, parse
 
 GROUP = "trainer.kubeflow.org"
 VALIDATOR = "validator.trainjob.trainer.kubeflow.org"
+RUNTIME_VALIDATOR = "validator.clustertrainingruntime.trainer.kubeflow.org"
 ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
 NODE = "node"
 TRAINER_PORT = 29500  # pkg/constants/constants.go ContainerTrainerPort
@@ -149,6 +151,142 @@ def cpu_count(value: Any) -> int:
     return math.ceil(int(text[:-1]) / 1000) if text.endswith("m") else math.ceil(float(text))
 
 
+# torch.go#L68-L76 (constants.go TorchRunReservedEnvNames): refused in spec.trainer.env.
+TORCH_RESERVED_ENV = (
+    "PET_MASTER_ADDR",
+    "PET_MASTER_PORT",
+    "PET_NNODES",
+    "PET_NODE_RANK",
+    "PET_NPROC_PER_NODE",
+)
+RFC1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def invalid(path: str, value: Any, detail: str) -> str:
+    """field.Invalid(path, value, detail).Error(), the value as JSON (upstream: Go's %#v)."""
+    return f"{path}: Invalid value: {json.dumps(value, sort_keys=True)}: {detail}"
+
+
+def aggregate(errors: list[str]) -> str:
+    """utilerrors.NewAggregate(...).Error(): one error as it is, more in brackets."""
+    return errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
+
+
+def replicated_jobs(runtime: dict[str, Any]) -> list[dict[str, Any]]:
+    template = (runtime.get("spec") or {}).get("template") or {}
+    return list((template.get("spec") or {}).get("replicatedJobs") or [])
+
+
+def pod_of(rjob: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """A replicated Job's (or its patch's) pod spec containers and initContainers."""
+    job = (rjob.get("template") or {}).get("spec") or {}
+    pod = (job.get("template") or {}).get("spec") or {}
+    return {f: list(pod.get(f) or []) for f in ("containers", "initContainers")}
+
+
+def trainjob_name_errors(body: dict[str, Any]) -> list[str]:
+    """The TrainJob CRD's CEL rules on metadata.name (trainjob_types.go#L36-L37): an RFC 1035
+    label of at most 63 characters."""
+    name = str((body.get("metadata") or {}).get("name") or "")
+    errors = []
+    if not RFC1035.fullmatch(name):
+        errors.append("metadata.name must match RFC 1035 DNS label format")
+    if len(name) > 63:
+        errors.append("metadata.name must be no more than 63 characters")
+    return errors
+
+
+def trainjob_webhook_errors(body: dict[str, Any], runtime: dict[str, Any]) -> list[str]:
+    """What the validating webhook refuses of a TrainJob on `runtime` (runtime.ValidateObjects:
+    each plugin's Validate): the torch plugin's reserved env (torch.go#L66-L77), and the
+    JobSet plugin's runtime patch targets (jobset.go#L176-L206: replicated jobs and
+    containers the runtime has; no env for the node and initializer containers)."""
+    spec = body.get("spec") or {}
+    errors = []
+    env = (spec.get("trainer") or {}).get("env") or []
+    reserved = sorted({e.get("name") for e in env} & set(TORCH_RESERVED_ENV))
+    if "torch" in ((runtime.get("spec") or {}).get("mlPolicy") or {}) and reserved:
+        errors.append(
+            invalid(
+                "spec.trainer.env",
+                env,
+                f"must not have reserved envs, invalid envs configured: [{' '.join(reserved)}]",
+            )
+        )
+    rjobs = {
+        r["name"]: {c["name"] for f in ("containers", "initContainers") for c in pod_of(r)[f]}
+        for r in replicated_jobs(runtime)
+    }
+    patches = spec.get("runtimePatches") or []
+    for patch in patches:
+        template = (patch.get("trainingRuntimeSpec") or {}).get("template") or {}
+        for rjob in (template.get("spec") or {}).get("replicatedJobs") or []:
+            if rjob.get("name") not in rjobs:
+                errors.append(
+                    invalid(
+                        "spec.runtimePatches",
+                        patches,
+                        "must not have replicated job that doesn't exist in the runtime job "
+                        "template",
+                    )
+                )
+                continue
+            pod = pod_of(rjob)
+            for kind, field in (("initContainer", "initContainers"), ("container", "containers")):
+                for c in pod[field]:
+                    if c.get("name") not in rjobs[rjob["name"]]:
+                        errors.append(
+                            invalid(
+                                "spec.runtimePatches",
+                                patches,
+                                f"must not have {kind} that doesn't exist in the runtime job "
+                                f"{rjob['name']}",
+                            )
+                        )
+                    elif (
+                        field == "containers"
+                        and c.get("env")
+                        and c.get("name") in ("dataset-initializer", "model-initializer", NODE)
+                    ):
+                        errors.append(
+                            invalid(
+                                "spec.runtimePatches",
+                                patches,
+                                "must not have envs for the dataset-initializer, "
+                                "model-initializer, node containers",
+                            )
+                        )
+    return errors
+
+
+def runtime_webhook_errors(runtime: dict[str, Any]) -> list[str]:
+    """trainingruntime_webhook.go validateReplicatedJobs L66-L105 (the ClusterTrainingRuntime
+    webhook calls it too): a replicatedJob labelled as an ancestor has replicas 1 and its
+    container (`node` for the trainer)."""
+    expected = {"trainer": NODE, "model-initializer": "model-initializer"}
+    expected["dataset-initializer"] = "dataset-initializer"
+    errors = []
+    base = "spec.template.spec.replicatedJobs"
+    for idx, rjob in enumerate(replicated_jobs(runtime)):
+        template = rjob.get("template") or {}
+        ancestor = ((template.get("metadata") or {}).get("labels") or {}).get(ANCESTOR)
+        if ancestor not in expected:
+            continue
+        replicas = int(rjob.get("replicas", 1))
+        if replicas != 1:
+            errors.append(invalid(f"{base}[{idx}].replicas", replicas, "always must be 1"))
+        containers = pod_of(rjob)["containers"]
+        if expected[ancestor] not in {c.get("name") for c in containers}:
+            errors.append(
+                invalid(
+                    f"{base}[{idx}].template.spec.template.spec.containers",
+                    containers,
+                    f"must contain the required container for the ancestor: {ancestor}",
+                )
+            )
+    return errors
+
+
 class TrainerV2(Controller):
     name = "trainer-v2"
 
@@ -158,6 +296,7 @@ class TrainerV2(Controller):
 
     def start(self) -> None:
         self.fake.on_validate("trainjobs", self._validate)
+        self.fake.on_validate("clustertrainingruntimes", self._validate_runtime)
         super().start()
 
     def keys_for(self, event: Event) -> Iterable[Key]:
@@ -172,12 +311,24 @@ class TrainerV2(Controller):
     def _validate(
         self, _fake: Any, body: dict[str, Any], old: dict[str, Any] | None, ns: str
     ) -> None:
+        named = trainjob_name_errors(body)
+        if named:  # the CRD's CEL rules, which the API server checks before any webhook
+            tj = (body.get("metadata") or {}).get("name")
+            details = ", ".join(f'<nil>: Invalid value: "object": {e}' for e in named)
+            message = f'TrainJob.{GROUP} "{tj}" is invalid: {details}'
+            raise ApiError(422, status_body(422, "Invalid", message))
         registry, kind, name = runtime_key(body)
         if kind not in SUPPORTED:
             why = f"unsupported runtime: {registry}"
         elif kind == "ClusterTrainingRuntime":
-            if self.fake.get_object("clustertrainingruntimes", name) is not None:
-                return
+            runtime = self.fake.get_object("clustertrainingruntimes", name)
+            if runtime is not None:
+                errors = trainjob_webhook_errors(body, runtime)
+                if not errors:
+                    return
+                why = aggregate(errors)
+                message = f'admission webhook "{VALIDATOR}" denied the request: {why}'
+                raise ApiError(403, status_body(403, "Forbidden", message))
             ref = (body.get("spec") or {}).get("runtimeRef")
             why = (
                 f"spec.RuntimeRef: Invalid value: {json.dumps(ref)}: "
@@ -188,6 +339,16 @@ class TrainerV2(Controller):
             return  # TrainingRuntime: refused by the controller below (not simulated)
         message = f'admission webhook "{VALIDATOR}" denied the request: {why}'
         raise ApiError(403, status_body(403, "Forbidden", message))
+
+    def _validate_runtime(
+        self, _fake: Any, body: dict[str, Any], old: dict[str, Any] | None, ns: str
+    ) -> None:
+        errors = runtime_webhook_errors(body)
+        if errors:
+            message = (
+                f'admission webhook "{RUNTIME_VALIDATOR}" denied the request: {aggregate(errors)}'
+            )
+            raise ApiError(403, status_body(403, "Forbidden", message))
 
     # ------------------------------------------------------------ reconcile
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
+from fakes.fake_k8s import ApiError
 from fakes.sim_cluster import SimCluster
 
 TRAINJOBS = ("trainer.kubeflow.org", "v1alpha1", "default", "trainjobs")
@@ -447,10 +448,9 @@ def test_runtime_patches_are_merged_into_the_jobset_before_the_trainer_fields(
                                             "containers": [
                                                 {
                                                     "name": "node",
-                                                    "env": [
-                                                        {"name": "FROM_PATCH", "value": "1"},
-                                                        {"name": "MY_VAR", "value": "patch"},
-                                                    ],
+                                                    "securityContext": {
+                                                        "allowPrivilegeEscalation": False
+                                                    },
                                                 }
                                             ],
                                         }
@@ -472,6 +472,45 @@ def test_runtime_patches_are_merged_into_the_jobset_before_the_trainer_fields(
     assert pod_spec["nodeSelector"] == {"pool": "a"}
     (node,) = pod_spec["containers"]
     assert node["image"] == "pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime"
+    assert node["securityContext"] == {"allowPrivilegeEscalation": False}
     names = [e["name"] for e in node["env"]]
-    assert names[:2] == ["FROM_PATCH", "MY_VAR"] and names[2] == "PET_NNODES"
-    assert node["env"][1] == {"name": "MY_VAR", "value": "x"}  # the trainer env wins
+    assert names[:2] == ["MY_VAR", "PET_NNODES"]  # the trainer env, then the torch plugin's
+
+
+def test_the_webhooks_refuse_what_trainer_v2_refuses(sim: SimCluster) -> None:
+    bad_runtime = runtime("two-replicas")
+    bad_runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["replicas"] = 2
+    with pytest.raises(ApiError) as err:
+        sim.fake.create_object("clustertrainingruntimes", bad_runtime)
+    assert err.value.code == 403
+    assert (
+        'admission webhook "validator.clustertrainingruntime.trainer.kubeflow.org" denied the '
+        "request: spec.template.spec.replicatedJobs[0].replicas: Invalid value: 2: always "
+        "must be 1"
+    ) in str(err.value)
+    sim.fake.create_object("clustertrainingruntimes", runtime())
+    reserved = trainjob("reserved", "pass")
+    reserved["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "9"})
+    with pytest.raises(k8s.ApiException) as api_err:
+        api(sim).create_namespaced_custom_object(*TRAINJOBS, reserved)
+    assert api_err.value.status == 403
+    assert "must not have reserved envs, invalid envs configured: [PET_NNODES]" in str(
+        api_err.value.body
+    )
+    patched = trainjob("env-patch", "pass")
+    node_patch = {"name": "node", "env": [{"name": "A", "value": "1"}]}
+    pod = {"spec": {"template": {"spec": {"containers": [node_patch]}}}}
+    template = {"spec": {"replicatedJobs": [{"name": "node", "template": pod}]}}
+    patched["spec"]["runtimePatches"] = [
+        {"manager": "example.com/x", "trainingRuntimeSpec": {"template": template}}
+    ]
+    with pytest.raises(k8s.ApiException) as api_err:
+        api(sim).create_namespaced_custom_object(*TRAINJOBS, patched)
+    assert "must not have envs for the dataset-initializer, model-initializer, node" in str(
+        api_err.value.body
+    )
+    with pytest.raises(k8s.ApiException) as api_err:
+        api(sim).create_namespaced_custom_object(*TRAINJOBS, trainjob("9-digit-first", "pass"))
+    assert api_err.value.status == 422
+    assert "metadata.name must match RFC 1035 DNS label format" in str(api_err.value.body)
+    assert sim.fake.list_objects("trainjobs") == []

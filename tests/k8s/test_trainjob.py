@@ -7,6 +7,7 @@ the fake API server as PyTorchJobTrainer drives a PyTorchJob.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,16 +17,15 @@ import pytest
 from fakes import fake_k8s as fake_k8s_module
 from fakes.fake_k8s import FakeK8s, Kind
 from fakes.k8s_schemas import crd_check, crds_dir, metadata_errors
+from fakes.trainer_v2 import runtime_webhook_errors, trainjob_name_errors, trainjob_webhook_errors
 from kubellm.backends.base import JobFailed, TrainJob
 from kubellm.backends.kubernetes.client import to_dict
 from kubellm.backends.kubernetes.podspec import ClusterSettings
 from kubellm.backends.kubernetes.pytorchjob import job_pod_template
 from kubellm.backends.kubernetes.trainjob import (
-    ANCESTOR_LABEL,
     DEADLINE_GRACE_S,
     NODE,
     RUNTIME_NAME,
-    TORCH_RESERVED_ENV,
     TrainJobTrainer,
     node0_selector,
     training_runtime_manifest,
@@ -104,51 +104,9 @@ CASES = [
 
 
 def webhook_errors(body: dict[str, Any], runtime: dict[str, Any]) -> list[str]:
-    """What Trainer v2.3.0's admission refuses that the CRD schema does not say (each rule a
-    row of tests/fakes/UPSTREAM.md, "Trainer v2 (TrainJob builder)")."""
-    errors = []
-    name = body["metadata"]["name"]
-    # trainjob_types.go#L37-L38: the CRD's CEL rules on metadata.name.
-    if not (len(name) <= 63 and __import__("re").fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name)):
-        errors.append(f"metadata.name {name!r} is not an RFC 1035 label")
-    spec = body["spec"]
-    # pkg/runtime/core/clustertrainingruntime.go: the runtime must exist (by name).
-    if spec["runtimeRef"]["name"] != runtime["metadata"]["name"]:
-        errors.append("spec.runtimeRef: the ClusterTrainingRuntime does not exist")
-    # torch.go#L68-L76: no reserved PET_* env in spec.trainer.env.
-    env = {e["name"] for e in (spec.get("trainer") or {}).get("env") or []}
-    if env & TORCH_RESERVED_ENV:
-        errors.append(f"spec.trainer.env: must not have reserved envs {env & TORCH_RESERVED_ENV}")
-    # jobset.go#L176-L206: patched replicatedJobs and containers must exist in the runtime,
-    # and no env may be patched into the `node` container.
-    rjobs = {r["name"]: r for r in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
-    for patch in spec.get("runtimePatches") or []:
-        for rjob in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
-            if rjob["name"] not in rjobs:
-                errors.append("runtimePatches: replicated job not in the runtime")
-                continue
-            pod = rjobs[rjob["name"]]["template"]["spec"]["template"]["spec"]
-            names = {c["name"] for c in pod["containers"]}
-            for c in rjob["template"]["spec"]["template"]["spec"].get("containers") or []:
-                if c["name"] not in names:
-                    errors.append("runtimePatches: container not in the runtime job")
-                elif c.get("env") and c["name"] == NODE:
-                    errors.append("runtimePatches: must not have envs for the node container")
-    return errors
-
-
-def runtime_webhook_errors(runtime: dict[str, Any]) -> list[str]:
-    """trainingruntime_webhook.go#L66-L105 validateReplicatedJobs: an ancestor-labelled
-    replicatedJob has replicas 1 and its container (`node` for the trainer)."""
-    errors = []
-    for rjob in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
-        if rjob["template"].get("metadata", {}).get("labels", {}).get(ANCESTOR_LABEL) == "trainer":
-            if rjob.get("replicas", 1) != 1:
-                errors.append("replicas must be 1")
-            containers = rjob["template"]["spec"]["template"]["spec"]["containers"]
-            if NODE not in {c["name"] for c in containers}:
-                errors.append("the trainer job has no container node")
-    return errors
+    """What Trainer v2.3.0's admission refuses that the CRD schema does not say, as the
+    simulated Trainer v2 refuses it (tests/fakes/trainer_v2.py; rows of UPSTREAM.md)."""
+    return trainjob_name_errors(body) + trainjob_webhook_errors(body, runtime)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -174,18 +132,26 @@ def test_the_checks_fail_on_what_upstream_refuses() -> None:
     bad = copy.deepcopy(body)
     bad["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "2"})
     bad["metadata"]["name"] = "9-starts-with-a-digit"
-    assert len(webhook_errors(bad, runtime)) == 2
+    env = bad["spec"]["trainer"]["env"]
+    assert webhook_errors(bad, runtime) == [
+        "metadata.name must match RFC 1035 DNS label format",
+        f"spec.trainer.env: Invalid value: {json.dumps(env, sort_keys=True)}: must not have "
+        "reserved envs, invalid envs configured: [PET_NNODES]",
+    ]
     bad = copy.deepcopy(body)
     rjob = bad["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]
     rjob["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"] = [
         {"name": "A", "value": "1"}
     ]
-    assert webhook_errors(bad, runtime) == [
-        "runtimePatches: must not have envs for the node container"
-    ]
+    (error,) = webhook_errors(bad, runtime)
+    assert error.startswith("spec.runtimePatches: Invalid value: ") and error.endswith(
+        ": must not have envs for the dataset-initializer, model-initializer, node containers"
+    )
     bad_runtime = copy.deepcopy(runtime)
     bad_runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["replicas"] = 2
-    assert runtime_webhook_errors(bad_runtime) == ["replicas must be 1"]
+    assert runtime_webhook_errors(bad_runtime) == [
+        "spec.template.spec.replicatedJobs[0].replicas: Invalid value: 2: always must be 1"
+    ]
 
 
 def applied_pod(body: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:

@@ -399,7 +399,8 @@ def test_a_retried_step_adopts_its_running_trainjob(
     def killed_when_running(line: str) -> None:
         echo(line)
         # A status line, on the step's main thread, once node 0 runs: the step dies there.
-        if line == "trainjob/again: Pending" and echo.wait_for("] node 0 up", timeout=15):
+        state = line.startswith("trainjob/again: ") and "created" not in line
+        if state and echo.wait_for("] node 0 up", timeout=15):
             raise StepKilled
 
     monkeypatch.setattr(client, "_print_line", killed_when_running)
