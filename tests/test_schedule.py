@@ -246,6 +246,35 @@ def test_schedule_in_a_profile_namespace_with_a_token(tmp_path: Path) -> None:
         assert pipeline["namespace"] == "team-a"
 
 
+@pytest.mark.parametrize("how", ["--user", "--cookie-file"])
+def test_schedule_signs_in_with_user_or_cookie_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    """Every call (the upload, the recurring run, --list, --pause) carries the identity
+    header (a port-forward) or the session cookie (through the gateway)."""
+    user, session = "alice@example.com", "oauth2_proxy_kubeflow=c2Vzc2lvbg=="
+    cookie = tmp_path / "cookie"
+    cookie.write_text(session + "\n")
+    cookie.chmod(0o600)
+    sign_in = ("--user", user) if how == "--user" else ("--cookie-file", str(cookie))
+    gateway = session if how == "--cookie-file" else None
+    with FakeKfp(multi_user=True, user=user, session_cookie=gateway) as fake:
+        args = ("--namespace", "team-a", *sign_in)
+        assert _schedule(fake, "--cron", "0 2 * * *", *args) == 0
+        assert _schedule(fake, "--list", *args, pipeline=None) == 0
+        assert _schedule(fake, "--pause", *args) == 0
+        assert fake.errors == []
+        (run,) = fake.recurring_runs.values()
+        assert run["mode"] == "DISABLE"
+        header, value = ("kubeflow-userid", user) if how == "--user" else ("Cookie", session)
+        assert fake.requests and all(r.header(header) == [value] for r in fake.requests)
+        capsys.readouterr()
+
+        assert _schedule(fake, "--list", "--namespace", "team-a", pipeline=None) == 2
+        _, err = capsys.readouterr()
+        assert "(401): " in err and how in err and err.count("\n") == 1, err
+
+
 # -- validated before anything is sent ----------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from kubellm.cli import main
 from kubellm.kfp.client import (
     backend_version_error,
     parse_backend_version,
+    read_cookie_file,
     resolve_token,
     run_link,
     ui_base,
@@ -92,7 +93,17 @@ def test_submit_sends_typed_overrides(fake: FakeKfp, capsys: pytest.CaptureFixtu
     assert run["display_name"] == "kubellm-test-run"
     # steps run as the ServiceAccount whose Role lets them create jobs (manifests/base)
     assert run["service_account"] == "kubellm-pipeline"
-    spec = run["pipeline_spec"].get("pipeline_spec", run["pipeline_spec"])
+    # the run references the version its `pipeline_version` names, uploaded first
+    assert "pipeline_spec" not in run
+    ref = run["pipeline_version_reference"]
+    (version,) = fake.versions.values()
+    assert ref == {
+        "pipeline_id": version["pipeline_id"],
+        "pipeline_version_id": version["pipeline_version_id"],
+    }
+    assert version["display_name"] == version_name(str(PIPELINE))
+    assert fake.pipelines[ref["pipeline_id"]]["display_name"] == "kubellm-llm-train"
+    spec = version["pipeline_spec"]["pipeline_spec"]
     assert spec["pipelineInfo"]["name"] == "kubellm-llm-train"
 
     (experiment,) = fake.experiments.values()
@@ -385,6 +396,165 @@ def test_token_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert token is not None and token.path == str(sa)
 
 
+# -- sign-in: the identity header, the session cookie ------------------------------------
+
+ALICE = "alice@example.com"
+SESSION = "oauth2_proxy_kubeflow=c2Vzc2lvbi12YWx1ZQ=="  # the value is base64, '=' and all
+
+
+def _cookie_file(tmp_path: Path, text: str, mode: int = 0o600) -> Path:
+    path = tmp_path / "cookie"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_submit_with_user_sends_the_kubeflow_userid_header(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A port-forward to a multi-user install's ml-pipeline: no gateway adds the identity."""
+    with FakeKfp(multi_user=True, user=ALICE) as fake:
+        assert _submit("--endpoint", fake.url, "--namespace", "team-a", "--user", ALICE) == 0
+        assert fake.errors == []
+        assert len(fake.runs) == 1
+        assert fake.requests and all(r.header("kubeflow-userid") == [ALICE] for r in fake.requests)
+
+        assert _submit("--endpoint", fake.url, "--namespace", "team-a") == 2  # without: 401
+        _, err = capsys.readouterr()
+        assert " refused the run (401): " in err and "--user" in err and "--cookie-file" in err
+        assert err.count("\n") == 1, err
+        assert len(fake.runs) == 1
+
+
+def test_submit_as_another_user_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeKfp(multi_user=True, user=ALICE) as fake:
+        rc = _submit("--endpoint", fake.url, "--namespace", "team-a", "--user", "bob@example.com")
+        _, err = capsys.readouterr()
+        assert rc == 2
+        assert " refused the run (403): User 'bob@example.com' is not authorized" in err, err
+        assert err.count("\n") == 1, err
+        assert fake.runs == {}
+
+
+def test_submit_with_cookie_file_sends_the_session_cookie(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the Kubeflow gateway after a Dex sign-in: the cookie is the identity."""
+    cookie = _cookie_file(tmp_path, SESSION + "\n")
+    with FakeKfp(multi_user=True, user=ALICE, session_cookie=SESSION) as fake:
+        args = ("--endpoint", fake.url, "--namespace", "team-a")
+        assert _submit(*args, "--cookie-file", str(cookie)) == 0
+        out, err = capsys.readouterr()
+        assert fake.errors == []
+        assert len(fake.runs) == 1
+        assert all(r.header("Cookie") == [SESSION] for r in fake.requests)
+        assert "c2Vzc2lvbi12YWx1ZQ" not in out + err  # the secret is never printed
+        assert err == ""  # 0600: no warning
+
+        assert _submit(*args) == 2  # without it, oauth2-proxy's 401 for /apis/
+        _, err = capsys.readouterr()
+        assert " refused connecting (401): " in err and "--cookie-file" in err, err
+        assert len(fake.runs) == 1
+
+
+def test_a_cookie_file_others_can_read_draws_a_warning_not_its_content(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cookie = _cookie_file(tmp_path, SESSION, mode=0o644)
+    with FakeKfp(multi_user=True, user=ALICE, session_cookie=SESSION) as fake:
+        args = ("--endpoint", fake.url, "--namespace", "team-a", "--cookie-file", str(cookie))
+        assert _submit(*args) == 0
+        _, err = capsys.readouterr()
+        assert err == (
+            f"kubellm: warning: the cookie file {cookie} (--cookie-file) is readable by others "
+            f"(mode 644); chmod 600 {cookie}\n"
+        )
+        assert len(fake.runs) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (None, "cannot read the cookie file"),
+        ("", "holds no cookie"),
+        ("# only a comment\n\n", "holds no cookie"),
+        ("c2VjcmV0LXRva2Vu\n", "line 1: not a name=value cookie"),
+        ("ok=1\n=c2VjcmV0\n", "line 2: not a name=value cookie"),
+        ("oauth2_proxy_kubeflow=\n", "line 1: not a name=value cookie"),
+        ("bad name=c2VjcmV0\n", "line 1: not a name=value cookie"),
+        (
+            "kubeflow.example.com\tFALSE\t/\tTRUE\t0\toauth2_proxy_kubeflow\tc2VjcmV0\n",
+            "line 1: looks like a Netscape cookies.txt line",
+        ),
+    ],
+    ids=["missing", "empty", "comments", "bare", "no-name", "no-value", "space", "netscape"],
+)
+def test_a_missing_or_malformed_cookie_file_is_one_line_before_anything_is_sent(
+    fake: FakeKfp, tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str | None, why: str
+) -> None:
+    path = tmp_path / "missing" if text is None else _cookie_file(tmp_path, text)
+    assert _submit("--endpoint", fake.url, "--cookie-file", str(path)) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith("kubellm: error: "), err
+    assert why in err and str(path) in err and "--cookie-file" in err, err
+    assert "c2VjcmV0" not in err  # the content never shows
+    assert err.count("\n") == 1, err
+    assert fake.requests == []
+
+
+def test_cookie_file_forms(tmp_path: Path) -> None:
+    """The browser's Cookie header as copied, or one cookie a line; `#` lines skipped."""
+    for text in ("a=1; b=x=y=", "# from the browser\na=1\n\nb=x=y=\n", " a=1 ;b=x=y=;\n"):
+        assert read_cookie_file(str(_cookie_file(tmp_path, text))) == "a=1; b=x=y="
+
+
+# -- the version the run names ------------------------------------------------------------
+
+
+def test_submit_creates_the_version_it_tags(tmp_path: Path) -> None:
+    """The `pipeline_version` a run carries (the registry's tag) is a version on the server:
+    uploaded on the first submit, reused by the next, a new one for a changed YAML."""
+    with FakeKfp() as fake:
+        assert _submit("--endpoint", fake.url) == 0
+        assert _submit("--endpoint", fake.url) == 0
+        assert fake.errors == []
+        (pipeline,) = fake.pipelines.values()
+        (version,) = fake.versions.values()
+        assert version["display_name"] == version_name(str(PIPELINE))
+        for run in fake.runs.values():
+            assert (
+                run["runtime_config"]["parameters"]["pipeline_version"] == (version["display_name"])
+            )
+            assert run["pipeline_version_reference"] == {
+                "pipeline_id": pipeline["pipeline_id"],
+                "pipeline_version_id": version["pipeline_version_id"],
+            }
+        got = requests.get(
+            f"{fake.url}{API}/pipelines/{pipeline['pipeline_id']}/versions/"
+            f"{version['pipeline_version_id']}",
+            timeout=10,
+        )
+        assert got.ok and got.json()["display_name"] == version_name(str(PIPELINE))
+
+        docs = list(yaml.safe_load_all(PIPELINE.read_text()))
+        docs[0]["pipelineInfo"]["description"] = "changed"
+        changed = tmp_path / "changed.yaml"
+        changed.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+        assert main(["submit", str(changed), "--endpoint", fake.url]) == 0
+        assert fake.errors == []
+        assert len(fake.pipelines) == 1 and len(fake.versions) == 2
+        newest = fake.created_runs()[-1]
+        (new,) = [
+            v for v in fake.versions.values() if v["display_name"] != version_name(str(PIPELINE))
+        ]
+        assert new["display_name"] == version_name(str(changed))
+        assert (
+            newest["pipeline_version_reference"]["pipeline_version_id"]
+            == new["pipeline_version_id"]
+        )
+        assert newest["runtime_config"]["parameters"]["pipeline_version"] == new["display_name"]
+
+
 # -- the UI link --------------------------------------------------------------------------
 
 
@@ -438,7 +608,8 @@ def test_submit_to_the_api_server_says_there_is_no_ui_link(
     (run_id,) = fake.runs
     assert (
         out.splitlines()[0]
-        == f"submitted run {run_id} ({fake.created_runs()[0]['display_name']}) to {fake.url}"
+        == f"submitted run {run_id} ({fake.created_runs()[0]['display_name']}) to {fake.url}, "
+        f"pipeline version {version_name(str(PIPELINE))}"
     )
     assert out.splitlines()[1].startswith(f"no UI link: {fake.url} is the KFP API server")
     assert "#/runs/details" not in out  # not even kfp's own "Run details:" line

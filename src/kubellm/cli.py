@@ -142,9 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser(
         "submit",
         help="create a run on a Kubeflow Pipelines endpoint",
-        description="Create a run from a compiled pipeline with the kfp client. The endpoint "
-        "comes from --endpoint or $KFP_ENDPOINT; the bearer token from --token-file, $KFP_TOKEN "
-        "or kfp's in-cluster token file (never from pipeline parameters).",
+        description="Upload a compiled pipeline as the version its content hash names (as "
+        "`schedule` does) and create a run of it with the kfp client. The endpoint comes from "
+        "--endpoint or $KFP_ENDPOINT; the bearer token from --token-file, $KFP_TOKEN or kfp's "
+        "in-cluster token file (never from pipeline parameters); on multi-user Kubeflow, "
+        "--user (a port-forward) or --cookie-file (a Dex session) instead.",
     )
     from kubellm.kfp.client import add_kfp_args
 

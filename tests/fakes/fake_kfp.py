@@ -28,6 +28,17 @@ the upload handlers' own `{error_message, error_details}`), and its status codes
 database's unique indexes make it; with `token=`, 401 for a request without
 `Authorization: Bearer <token>`, as behind Kubeflow's auth proxy.
 
+Sign-in (each request's headers are recorded, `Recorded.header(name)`):
+
+- `user=` (multi-user mode): every request but healthz needs an identity, as the API server's
+  IsAuthorized does: the `kubeflow-userid` header (USERID_HEADER as Kubeflow's manifests set
+  it, prefix "") or, with `token=`, the bearer token (TokenReview); none is 401, two of the
+  header 400, any other user than `user` 403 (SubjectAccessReview denied);
+- `session_cookie="name=value"`: the Kubeflow gateway in front (Istio and oauth2-proxy): a
+  request with neither the cookie nor a bearer token is 401 (oauth2-proxy's api_routes), one
+  with the cookie reaches the API server with `kubeflow-userid: <user>` put in by the gateway,
+  whatever the client sent.
+
 No pipeline runs. What makes it worth having is that every body is checked the way the real
 API server checks it:
 
@@ -78,7 +89,7 @@ import json
 import re
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 from urllib.parse import parse_qs, urlsplit
@@ -97,8 +108,12 @@ API = "/apis/v2beta1"
 
 # grpc status codes the gateway puts in error bodies
 _INVALID_ARGUMENT, _NOT_FOUND, _ALREADY_EXISTS, _UNIMPLEMENTED, _UNAUTHENTICATED = 3, 5, 6, 12, 16
-_INTERNAL = 13
+_INTERNAL, _PERMISSION_DENIED = 13, 7
+# the identity header Kubeflow's manifests give the API server (USERID_HEADER, with
+# USERID_PREFIX "", in pipeline-install-config); the server's own default is Google IAP's
+USER_HEADER = "kubeflow-userid"
 _HTTP = {
+    _PERMISSION_DENIED: 403,
     _INTERNAL: 500,
     _INVALID_ARGUMENT: 400,
     _NOT_FOUND: 404,
@@ -154,6 +169,11 @@ class Recorded:
     path: str
     query: dict[str, list[str]]
     body: Any
+    headers: tuple[tuple[str, str], ...] = field(default=())
+
+    def header(self, name: str) -> list[str]:
+        """Every value of header `name` (any case) the request carried, in order."""
+        return [v for k, v in self.headers if k.lower() == name.lower()]
 
 
 class _Reply(Exception):
@@ -332,8 +352,19 @@ class FakeKfp(LoopbackFake):
         token: str | None = None,
         tag_name: str = "2.17.0",
         commit_sha: str = "unknown",
+        user: str | None = None,
+        session_cookie: str | None = None,
     ) -> None:
         super().__init__()
+        # multi-user authz: the one user with access to every namespace (needs multi_user)
+        self.user = user
+        # the gateway's session cookie `name=value` (oauth2_proxy_kubeflow=...): a request
+        # without it (or a bearer token) is refused before the API server
+        self.session_cookie = session_cookie
+        if (user is not None or session_cookie is not None) and not multi_user:
+            raise ValueError("user= and session_cookie= model a multi-user install")
+        if session_cookie is not None and user is None:
+            raise ValueError("session_cookie= needs the user= the session signs in")
         self.multi_user = multi_user
         # what healthz announces: the release (`2.5.0`), or `unknown` as official images
         # before 2.16.0 answer (built without the TAG_NAME build-arg)
@@ -368,13 +399,18 @@ class FakeKfp(LoopbackFake):
     # ------------------------------------------------------------ request handling
 
     def handle(
-        self, method: str, raw_path: str, body: Any, authorization: str | None = None
+        self,
+        method: str,
+        raw_path: str,
+        body: Any,
+        authorization: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
     ) -> tuple[int, Any]:
         parts = urlsplit(raw_path)
         query = parse_qs(parts.query)
         path = parts.path.rstrip("/")
         with self._lock:
-            self.requests.append(Recorded(method, path, query, copy.deepcopy(body)))
+            self.requests.append(Recorded(method, path, query, copy.deepcopy(body), headers))
             try:
                 if self.token is not None and authorization != f"Bearer {self.token}":
                     self.errors.append(f"{method} {path}: no valid bearer token")
@@ -382,12 +418,68 @@ class FakeKfp(LoopbackFake):
                         _UNAUTHENTICATED,
                         "Request header error: there is no user identity header.",
                     )
+                headers = self._gateway(method, path, headers, authorization)
+                if self.user is not None and not path.endswith("/healthz"):
+                    self._authorize(method, path, headers, authorization)
                 return 200, self._route(method, path, query, body)
             except _Reply as reply:
                 return reply.code, reply.body
             except Exception as err:  # a body shape the checks did not foresee: still answer
                 self.errors.append(f"{method} {path}: the fake failed: {err!r}")
                 return 500, {"error": repr(err), "code": 13, "message": repr(err), "details": []}
+
+    def _gateway(
+        self,
+        method: str,
+        path: str,
+        headers: tuple[tuple[str, str], ...],
+        authorization: str | None,
+    ) -> tuple[tuple[str, str], ...]:
+        """Istio and oauth2-proxy in front of the API server, when `session_cookie` is set:
+        the request's headers as they reach the API server."""
+        if self.session_cookie is None:
+            return headers
+        sent = [c.strip() for k, v in headers if k.lower() == "cookie" for c in v.split(";")]
+        if self.session_cookie in sent:  # oauth2-proxy's JWT, unpacked by Istio
+            kept = tuple((k, v) for k, v in headers if k.lower() != USER_HEADER)
+            return (*kept, (USER_HEADER, str(self.user)))
+        if (authorization or "").startswith("Bearer "):  # straight on to Istio
+            return headers
+        self.errors.append(f"{method} {path}: no session cookie")
+        raise _Reply(_UNAUTHENTICATED, "Unauthorized")
+
+    def _authorize(
+        self,
+        method: str,
+        path: str,
+        headers: tuple[tuple[str, str], ...],
+        authorization: str | None,
+    ) -> None:
+        """The API server's IsAuthorized in multi-user mode: the identity from the user
+        header, else from a bearer token (a TokenReview), then a SubjectAccessReview."""
+        values = [v for k, v in headers if k.lower() == USER_HEADER]
+        if len(values) > 1:
+            message = (
+                f"Request header error: unexpected number of '{USER_HEADER}' headers. "
+                f"Expect 1 got {len(values)}"
+            )
+            self.errors.append(f"{method} {path}: {message}")
+            raise _Reply(_INVALID_ARGUMENT, message)
+        if values:
+            identity = values[0]  # USERID_PREFIX "": nothing to strip
+        elif self.token is not None and authorization == f"Bearer {self.token}":
+            identity = str(self.user)  # the TokenReview's user for the token
+        else:
+            self.errors.append(f"{method} {path}: no user identity")
+            raise _Reply(
+                _UNAUTHENTICATED,
+                "Failed to check authorization. User identity is empty in the request header: "
+                "Request header error: there is no user identity header.",
+            )
+        if identity != self.user:
+            message = f"User '{identity}' is not authorized with reason:  (request: {path})"
+            self.errors.append(f"{method} {path}: {message}")
+            raise _Reply(_PERMISSION_DENIED, message)
 
     def _route(self, method: str, path: str, query: dict[str, list[str]], body: Any) -> Any:
         if method == "GET" and path in (f"{API}/healthz", "/apis/v1beta1/healthz"):
@@ -925,7 +1017,8 @@ class _Handler(JsonHandler):
         except ValueError:
             code, out = 400, {"error": "not JSON", "code": 3, "message": "not JSON", "details": []}
         else:
-            code, out = self.fake.handle(self.command, self.path, body, auth)
+            headers = tuple((k, str(v)) for k, v in self.headers.items())
+            code, out = self.fake.handle(self.command, self.path, body, auth, headers)
         self._send(code, out)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve

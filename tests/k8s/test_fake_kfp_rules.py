@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import requests
@@ -37,6 +39,57 @@ def test_multi_user_mode_is_announced_and_needs_a_namespace() -> None:
         assert ok.ok
     with FakeKfp() as fake:
         assert requests.get(f"{fake.url}{API}/healthz", timeout=10).json()["multi_user"] is False
+
+
+def _headers_get(fake: FakeKfp, path: str, headers: list[tuple[str, str]]) -> tuple[int, Any]:
+    """GET with `headers` as given, repeats included (requests folds a dict)."""
+    conn = http.client.HTTPConnection(urlsplit(fake.url).netloc, timeout=10)
+    try:
+        conn.putrequest("GET", f"{API}{path}")
+        for name, value in headers:
+            conn.putheader(name, value)
+        conn.endheaders()
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+def test_multi_user_authz_wants_one_identity_header_or_the_token() -> None:
+    # resource_manager.go IsAuthorized: the user header, else a TokenReview; then a
+    # SubjectAccessReview; auth/util.go: a missing header, or two of it
+    path = "/experiments?namespace=team-a"
+    with FakeKfp(multi_user=True, user="alice@example.com") as fake:
+        assert _headers_get(fake, "/healthz", [])[0] == 200  # healthz is not authorized
+        code, body = _headers_get(fake, path, [])
+        assert code == 401 and "no user identity header" in body["message"]
+        assert _headers_get(fake, path, [("kubeflow-userid", "alice@example.com")])[0] == 200
+        assert _headers_get(fake, path, [("Kubeflow-UserID", "alice@example.com")])[0] == 200
+        code, body = _headers_get(fake, path, [("kubeflow-userid", "bob@example.com")])
+        assert code == 403 and "User 'bob@example.com' is not authorized" in body["message"]
+        two = [("kubeflow-userid", "alice@example.com")] * 2
+        code, body = _headers_get(fake, path, two)
+        assert code == 400 and "Expect 1 got 2" in body["message"]
+    with FakeKfp(multi_user=True, user="alice@example.com", token="t0k") as fake:
+        assert _headers_get(fake, path, [("Authorization", "Bearer t0k")])[0] == 200
+
+
+def test_the_gateway_wants_the_session_cookie_and_puts_the_user_in() -> None:
+    # oauth2_proxy.cfg api_routes: 401 for /apis/ without a session; Istio's
+    # RequestAuthentication turns the session's JWT into kubeflow-userid (the email claim)
+    session = "oauth2_proxy_kubeflow=s3ss"
+    path = "/experiments?namespace=team-a"
+    with FakeKfp(multi_user=True, user="alice@example.com", session_cookie=session) as fake:
+        assert _headers_get(fake, "/healthz", [])[0] == 401
+        assert _headers_get(fake, path, [("Cookie", "oauth2_proxy_kubeflow=other")])[0] == 401
+        assert _headers_get(fake, path, [("Cookie", f"a=1; {session}")])[0] == 200
+        # what the client says it is does not count: the gateway sets the header
+        spoofed = [("Cookie", session), ("kubeflow-userid", "bob@example.com")]
+        assert _headers_get(fake, path, spoofed)[0] == 200
+        # a bearer token skips oauth2-proxy; the API server then wants an identity
+        assert _headers_get(fake, path, [("Authorization", "Bearer x")])[0] == 401
+    with pytest.raises(ValueError, match="multi-user"):
+        FakeKfp(user="alice@example.com")
 
 
 def test_experiment_names_are_unique_per_namespace() -> None:

@@ -26,22 +26,12 @@ descriptors (@daily, @every 6h) are sent as written. The times are the controlle
 from __future__ import annotations
 
 import argparse
-import json
 import re
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kubellm.config import ConfigError
-from kubellm.kfp.client import (
-    connect,
-    kfp_errors,
-    pipeline_arguments,
-    recurring_run_link,
-    version_name,
-)
+from kubellm.kfp.client import connect, kfp_errors, pipeline_arguments, recurring_run_link
+from kubellm.kfp.pipelines import equals, list_all, pipeline_name, upload
 
 # -- cron, as KFP parses it --------------------------------------------------------------
 
@@ -160,32 +150,6 @@ def kfp_cron(expr: str) -> str:
 MAX_CONCURRENCY = (1, 10)  # the API server's bounds for max_concurrency
 
 
-def _equals(key: str, value: str) -> str:
-    """A v2beta1 list filter on one field (filter.proto; as kfp.Client builds it)."""
-    return json.dumps({"predicates": [{"operation": "EQUALS", "key": key, "stringValue": value}]})
-
-
-def _all(call: Callable[..., Any], field: str, **kwargs: Any) -> list[Any]:
-    """Every item of a paginated list call."""
-    items: list[Any] = []
-    token = ""
-    while True:
-        resp = call(page_token=token, page_size=100, **kwargs)
-        items += getattr(resp, field) or []
-        token = resp.next_page_token or ""
-        if not token:
-            return items
-
-
-def pipeline_name(path: str) -> str:
-    """The compiled pipeline's pipelineInfo.name: the default recurring-run and pipeline name."""
-    try:
-        doc = next(yaml.safe_load_all(Path(path).read_text()))
-        return str(doc["pipelineInfo"]["name"])
-    except (OSError, StopIteration, KeyError, TypeError, yaml.YAMLError) as err:
-        raise ConfigError(f"cannot read the pipeline name from {path}: {err}") from None
-
-
 def schedule(args: argparse.Namespace) -> int:
     action = next((a for a in ("list", "pause", "resume", "delete") if getattr(args, a)), None)
     if action and (args.cron or args.overrides):
@@ -224,55 +188,14 @@ def _find(
             if str(err).startswith("No experiment is found"):
                 return None, []
             raise ConfigError(str(err)) from None
-    kwargs = {"filter": _equals("display_name", name)} if name else {}
-    runs = _all(
+    kwargs = {"filter": equals("display_name", name)} if name else {}
+    runs = list_all(
         client.list_recurring_runs,
         "recurring_runs",
         experiment_id=experiment.experiment_id,
         **kwargs,
     )
     return experiment, [r for r in runs if name is None or r.display_name == name]
-
-
-def _upload(client: Any, args: argparse.Namespace) -> tuple[str, str, str]:
-    """(pipeline id, version id, version name) of the YAML, uploaded when not there yet."""
-    import kfp_server_api
-
-    name = pipeline_name(args.pipeline)
-    found = _all(
-        client.list_pipelines,
-        "pipelines",
-        filter=_equals("display_name", name),
-        namespace=args.namespace,
-    )
-    found = [p for p in found if p.display_name == name]
-    if found:
-        pipeline_id = found[0].pipeline_id
-    else:  # the pipeline alone; its only version is the one named by the content hash
-        body = kfp_server_api.V2beta1Pipeline(
-            name=name,
-            display_name=name,
-            description="uploaded by kubellm schedule",
-            namespace=args.namespace,
-        )
-        pipeline_id = client.pipelines.pipeline_service_create_pipeline(body).pipeline_id
-    version = version_name(args.pipeline)
-    versions = _all(
-        client.list_pipeline_versions,
-        "pipeline_versions",
-        pipeline_id=pipeline_id,
-        filter=_equals("display_name", version),
-    )
-    same = [v for v in versions if version in (v.display_name, v.name)]
-    if same:
-        return pipeline_id, same[0].pipeline_version_id, version
-    uploaded = client.upload_pipeline_version(
-        args.pipeline,
-        pipeline_version_name=version,
-        pipeline_id=pipeline_id,
-        description=f"{args.pipeline}, uploaded by kubellm schedule",
-    )
-    return pipeline_id, uploaded.pipeline_version_id, version
 
 
 def _matches(run: Any, want: dict[str, Any]) -> bool:
@@ -296,7 +219,9 @@ def _create_or_update(
     client = connect(args)
     with kfp_errors(args.endpoint, "the recurring run"):
         experiment, existing = _find(client, args, name, create=True)
-        pipeline_id, version_id, version = _upload(client, args)
+        pipeline_id, version_id, version = upload(
+            client, args.pipeline, args.namespace, "kubellm schedule"
+        )
         want = {
             "cron": cron,
             "version_id": version_id,

@@ -9,7 +9,19 @@ the client's exceptions into one-line `ConfigError`s, so both commands behave al
   `$KF_PIPELINES_SA_TOKEN_PATH` or the projected token at
   /var/run/secrets/kubeflow/pipelines/token. A token never travels as a command-line value
   (`ps` and shell history would show it) nor as a pipeline parameter. kfp.Client skips the
-  in-cluster token whenever a host is given, so it is honoured here;
+  in-cluster token whenever a host is given, so it is honoured here. Sent straight to
+  ml-pipeline, the API server checks it with a TokenReview for the audience
+  `pipelines.kubeflow.org` (its TOKEN_REVIEW_AUDIENCE default), so a ServiceAccount token
+  is `kubectl create token SA --audience pipelines.kubeflow.org`;
+- user: `--user EMAIL` sends it as the `kubeflow-userid` header, the identity header a
+  multi-user install's API server reads (USERID_HEADER in KFP's pipeline-install-config, no
+  prefix) and that Istio adds behind the Kubeflow gateway: for a port-forward straight to
+  ml-pipeline, where nothing adds it. Not a secret: it is who you say you are;
+- cookie: `--cookie-file PATH`, the Kubeflow gateway's session cookie after a Dex sign-in
+  (`oauth2_proxy_kubeflow=...` from Kubeflow 1.9, `authservice_session=...` before), sent
+  as the Cookie header as kfp's `cookies=` does. The file holds `name=value` (pairs joined by
+  `; ` or on lines of their own, as the browser's Cookie header shows them); its content is
+  never printed, and a file others can read draws a warning, as ssh does for a key;
 - UI link: `--ui-url` or `$KF_PIPELINES_UI_ENDPOINT` (kfp's variable), else derived from the
   endpoint when that is certain, else none and a sentence saying how to get one;
 - backend version: what the API server announces at `/apis/v2beta1/healthz`; an older
@@ -26,6 +38,7 @@ import io
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +48,10 @@ from urllib.parse import urlsplit
 from kubellm.config import ConfigError, PipelineConfig, parse_overrides, pipeline_config
 
 TOKEN_ENV = "KFP_TOKEN"
+# the multi-user identity header as Kubeflow's manifests configure the API server
+# (USERID_HEADER "kubeflow-userid", USERID_PREFIX ""): pipeline-install-config.yaml @2.17.0
+USER_HEADER = "kubeflow-userid"
+TOKEN_AUDIENCE = "pipelines.kubeflow.org"  # common/const.go DefaultTokenReviewAudience
 # kfp.client.KF_PIPELINES_SA_TOKEN_ENV / KF_PIPELINES_SA_TOKEN_PATH (kfp/client/__init__.py)
 SA_TOKEN_PATH_ENV = "KF_PIPELINES_SA_TOKEN_PATH"
 SA_TOKEN_PATH = "/var/run/secrets/kubeflow/pipelines/token"
@@ -76,7 +93,22 @@ def add_kfp_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help=f"file holding the bearer token (default: ${TOKEN_ENV}, else "
-        f"${SA_TOKEN_PATH_ENV} or {SA_TOKEN_PATH} when present, as kfp does in-cluster)",
+        f"${SA_TOKEN_PATH_ENV} or {SA_TOKEN_PATH} when present, as kfp does in-cluster); "
+        f"a ServiceAccount token needs the audience {TOKEN_AUDIENCE}",
+    )
+    p.add_argument(
+        "--user",
+        default=None,
+        metavar="EMAIL",
+        help=f"send EMAIL as the {USER_HEADER} header: a port-forward to a multi-user "
+        "install's ml-pipeline, where no gateway adds it",
+    )
+    p.add_argument(
+        "--cookie-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the Kubeflow session cookie after a Dex sign-in, as name=value "
+        "(oauth2_proxy_kubeflow=...; authservice_session=... before Kubeflow 1.9); keep it 0600",
     )
     p.add_argument(
         "--ui-url",
@@ -136,6 +168,51 @@ def _readable_token(path: str, named: str) -> str:
     if not text:
         raise ConfigError(f"the KFP token file {path} ({named}) is empty")
     return path
+
+
+_COOKIE_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an RFC 6265 cookie-name (token)
+
+
+def read_cookie_file(path: str) -> str:
+    """The Cookie header value in the file at `path` (`--cookie-file`): `name=value` pairs,
+    joined by `;` or one a line; blank lines and `#` comments skipped. Anything else is one
+    ConfigError that names the file and the line, never its content; a warning on stderr
+    when group or others can read the file."""
+    named = f"the cookie file {path} (--cookie-file)"
+    try:
+        text = Path(path).read_text()
+        mode = Path(path).stat().st_mode
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read {named}: {err}") from None
+    if mode & 0o077:
+        print(
+            f"kubellm: warning: {named} is readable by others (mode {mode & 0o777:o}); "
+            f"chmod 600 {path}",
+            file=sys.stderr,
+        )
+    pairs: list[str] = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "\t" in line:
+            raise ConfigError(
+                f"{named} line {number}: looks like a Netscape cookies.txt line; write the "
+                "cookie as name=value (e.g. oauth2_proxy_kubeflow=...)"
+            )
+        for pair in (p.strip() for p in line.split(";")):
+            name, eq, value = pair.partition("=")
+            if not pair:
+                continue
+            if not eq or not _COOKIE_NAME.fullmatch(name.strip()) or not value.strip():
+                raise ConfigError(
+                    f"{named} line {number}: not a name=value cookie "
+                    "(e.g. oauth2_proxy_kubeflow=...)"
+                )
+            pairs.append(f"{name.strip()}={value.strip()}")
+    if not pairs:
+        raise ConfigError(f"{named} holds no cookie: write name=value (oauth2_proxy_kubeflow=...)")
+    return "; ".join(pairs)
 
 
 def ui_base(endpoint: str, ui_url: str | None) -> str | None:
@@ -255,7 +332,13 @@ def connect(args: argparse.Namespace, *, check_version: bool = True) -> Any:
     if not args.endpoint:
         raise ConfigError("no KFP endpoint: pass --endpoint URL or set KFP_ENDPOINT")
     token = resolve_token(args.token_file)
+    user = (getattr(args, "user", None) or "").strip()
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in user):
+        raise ConfigError("--user: a header value cannot hold control characters")
+    cookie_file = getattr(args, "cookie_file", None)
     kwargs: dict[str, Any] = {}
+    if cookie_file:
+        kwargs["cookies"] = read_cookie_file(cookie_file)  # kfp sends it as the Cookie header
     if token and token.value:
         kwargs["existing_token"] = token.value
     elif token and token.path:
@@ -264,6 +347,14 @@ def connect(args: argparse.Namespace, *, check_version: bool = True) -> Any:
 
     class _Client(kfp.Client):  # type: ignore[misc]
         healthz_body: Any = _NOT_ASKED
+
+        def _load_context_setting_or_default(self) -> None:
+            """kfp's one header of its own (context.json's client_authentication_header_*),
+            read before the API client is built: the identity header with `--user`."""
+            super()._load_context_setting_or_default()
+            if user:
+                self._context_setting["client_authentication_header_name"] = USER_HEADER
+                self._context_setting["client_authentication_header_value"] = user
 
         def get_kfp_healthz(self, sleep_duration: int = 5) -> Any:
             """One attempt: kfp retries 5 times 5 s apart, and a 401 never heals by waiting.
@@ -316,7 +407,8 @@ def kfp_errors(endpoint: str, doing: str) -> Iterator[None]:
         hint = ""
         if err.status in (401, 403):
             hint = (
-                f" (check the token: --token-file, ${TOKEN_ENV} or ${SA_TOKEN_PATH_ENV}; "
+                f" (check the token: --token-file, ${TOKEN_ENV} or ${SA_TOKEN_PATH_ENV}, "
+                f"audience {TOKEN_AUDIENCE}; or --cookie-file, or --user for a port-forward; "
                 "and --namespace on multi-user Kubeflow)"
             )
         raise ConfigError(
