@@ -2,6 +2,7 @@
 
 kubellm run --local                      # the whole pipeline on this machine (CPU)
 kubellm run --local --set train_steps=200 --set tune_trials=0
+kubellm run --local --from evaluate --input model=runs/model --input dataset=runs/dataset
 kubellm compile                          # pipelines/*.py -> pipelines/*.yaml
 kubellm submit pipelines/llm_train.yaml --endpoint http://localhost:8888 \
     --namespace team-a --token-file ~/.kfp-token --ui-url http://localhost:8080
@@ -134,6 +135,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--local", action="store_true", required=True, help="run on this machine")
     run.add_argument("--pipeline", default=DEFAULT_PIPELINE, help="compiled pipeline YAML")
+    run.add_argument(
+        "--from",
+        dest="start",
+        default=None,
+        metavar="STAGE",
+        help="run only the stages from STAGE (after preflight; the summary still ends it), "
+        "built from components/*.py rather than --pipeline",
+    )
+    run.add_argument(
+        "--to", dest="stop", default=None, metavar="STAGE", help="the span's last stage"
+    )
+    run.add_argument(
+        "--input",
+        dest="inputs",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="an input the span's stages take from a stage outside it (dataset=DIR, "
+        "model=DIR, predictions=FILE; hparams, version, endpoint: a value); repeatable",
+    )
     _add_set(run, "pipeline parameter")
 
     comp = sub.add_parser("compile", help="rebuild pipelines/*.yaml from pipelines/*.py")
@@ -257,6 +278,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _span(args: argparse.Namespace) -> dict[str, Any] | None:
+    """`run --local --from/--to/--input`: the span to run, or None for the whole pipeline."""
+    if args.start is None and args.stop is None:
+        if args.inputs:
+            raise ConfigError("--input needs --from or --to: the whole pipeline makes its own")
+        return None
+    inputs: dict[str, str] = {}
+    for item in args.inputs:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ConfigError(f"--input {item!r}: expected NAME=PATH")
+        inputs[name] = value
+    return {"start": args.start or "prepare_data", "stop": args.stop, "inputs": inputs}
+
+
 # -- compile -----------------------------------------------------------------------------
 
 
@@ -353,7 +389,8 @@ def _main(argv: list[str]) -> int:
         if args.command == "run":
             from kubellm.commands.local_run import run_local
 
-            return run_local(args.pipeline, parse_overrides(args.overrides, PipelineConfig))
+            overrides = parse_overrides(args.overrides, PipelineConfig)
+            return run_local(args.pipeline, overrides, span=_span(args))
         if args.command == "submit":
             from kubellm.commands.submit import submit
 

@@ -7,6 +7,10 @@ one line as each stage starts and ends (name, seconds, key figure), the progress
 steps (training steps, trials), the summary, and where the full log is.
 
     kubellm run --local --set train_steps=200
+    kubellm run --local --from evaluate --to evaluate --input model=DIR --input dataset=DIR
+
+`--from`/`--to` run a span of the stages instead (kubellm.commands.local_stages: built from
+the components' Python source, so a changed component runs without `kubellm compile`).
 """
 
 from __future__ import annotations
@@ -43,9 +47,15 @@ def shown(line: str) -> str | None:
 
 
 def run_local(
-    pipeline_yaml: str | Path, overrides: dict[str, Any], out: TextIO = sys.stdout
+    pipeline_yaml: str | Path,
+    overrides: dict[str, Any],
+    out: TextIO | None = None,
+    span: dict[str, Any] | None = None,
 ) -> int:
-    """Run the compiled YAML locally; returns an exit code (0: the pipeline succeeded)."""
+    """Run the compiled YAML locally; returns an exit code (0: the pipeline succeeded).
+    `span` ({"start", "stop", "inputs"}): run those stages of components/ instead (their
+    inputs checked before anything starts). `out`: where a person reads it (stdout)."""
+    out = sys.stdout if out is None else out  # at call time: a caller may have replaced it
     if overrides.get("platform", "local") != "local":
         raise ConfigError(
             f"invalid platform={overrides['platform']!r}: `run --local` runs platform 'local'; "
@@ -53,7 +63,12 @@ def run_local(
         )
     cfg = pipeline_config(overrides, platform="local")  # every value checked before any stage
     path = Path(pipeline_yaml)
-    if not path.is_file():
+    if span is not None:
+        from kubellm.commands.local_stages import check_components, plan
+
+        planned = plan(span["start"], span.get("stop"), span.get("inputs"))
+        check_components()
+    elif not path.is_file():
         raise ConfigError(f"pipeline {pipeline_yaml} not found (run `kubellm compile`)")
     runs = Path(cfg.runs_dir).resolve()
     root = runs / "kfp"
@@ -64,11 +79,19 @@ def run_local(
     # typed as the pipeline declares them (an int given for a float parameter is a float)
     arguments = {k: getattr(cfg, k) for k in overrides}
     arguments.update(platform="local", runs_dir=str(runs))
-    print(f"kubellm: running {path} locally; full log: {log_path}", file=out, flush=True)
-    before = set(root.iterdir())
-    started = time.monotonic()
+    what = str(path)
     module = "kubellm.commands.local_run"
     cmd = [sys.executable, "-m", module, str(path), str(root), json.dumps(arguments)]
+    if span is not None:
+        start, stop = planned.stages[0], planned.stages[-1]
+        what = f"stages {start}..{stop} of components/"
+        name = f"kubellm-{start}-{stop}-{time.strftime('%H%M%S')}".replace("_", "-")
+        spec = {"start": start, "stop": stop, "inputs": planned.inputs}
+        spec.update(name=name, arguments=arguments)
+        cmd = [sys.executable, "-m", "kubellm.commands.local_stages", str(root), json.dumps(spec)]
+    print(f"kubellm: running {what} locally; full log: {log_path}", file=out, flush=True)
+    before = set(root.iterdir())
+    started = time.monotonic()
     # component subprocesses run `python3 ...`: make it this environment's python
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     with open(log_path, "w") as log:
