@@ -22,7 +22,7 @@ from kubellm.config import ConfigError, pipeline_config
 from kubellm.serve.client import Endpoint, ask, is_ready
 from kubellm.serve.generate import complete, load_model
 from kubellm.stages.deploy import TAG_SERVING_URI
-from kubellm.tracking.registry import log_transformers_model, register_version
+from kubellm.tracking.registry import PredictDefaults, log_transformers_model, register_version
 from serve.tiny_model import build_tiny_model
 
 NAME = "tiny-promote"
@@ -54,7 +54,8 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
         model, tokenizer = load_model(model_dir)
         answers[version] = complete(model, tokenizer, PROMPTS, NEW_TOKENS)
         run_id = client.create_run(exp).info.run_id
-        logged = log_transformers_model(client, exp, run_id, model_dir, "1+1=", "# tiny\n")
+        defaults = PredictDefaults("1+1=", NEW_TOKENS)
+        logged = log_transformers_model(client, exp, run_id, model_dir, defaults, "# tiny\n")
         tags = {"kubellm.gate": gate, "kubellm.gate_reason": f"seed {seed} decided {gate}"}
         mv = register_version(client, NAME, logged, run_id, tags)
         assert str(mv.version) == version

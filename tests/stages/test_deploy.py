@@ -14,6 +14,7 @@ from kubellm.config import ConfigError
 from kubellm.serve.client import Endpoint, is_ready
 from kubellm.stages import deploy
 from kubellm.stages.context import StageContext
+from kubellm.tracking.registry import storage_uri
 from stages.conftest import RUN, Chain, side_context
 
 
@@ -34,12 +35,18 @@ def test_serves_the_registry_copy_from_the_run_workspace(chain: Chain, ctx: Stag
     assert served == Path(ctx.cfg.runs_dir) / "work" / RUN / "serve" / f"v{version}"
     assert served != chain.artifact("model")
     mv = ctx.tracker.client.get_model_version("tiny-stage", version)
-    registered = Path(mv.source.removeprefix("file://")) / "model" / "model.safetensors"
+    stored = storage_uri(ctx.tracker.client, mv)
+    registered = Path(stored.removeprefix("file://")) / "model" / "model.safetensors"
     assert (served / "model.safetensors").read_bytes() == registered.read_bytes()
     assert (served / "tokenizer.json").is_file()
     assert mv.tags[deploy.TAG_SERVING_URI] == result.model_uri
     run = ctx.stage_runs()["deploy"]
-    assert run.data.params["registry_source"] == mv.source
+    assert (
+        run.data.params["registry_source"]
+        == mv.source
+        == f"models:/{mv.tags['kubellm.logged_model']}"
+    )
+    assert run.data.params["registry_storage"] == stored
     assert run.data.params["model_uri"] == result.model_uri
 
 

@@ -281,3 +281,28 @@ def test_load_model_refuses_a_dtype_that_is_not_a_float(chain: Chain) -> None:
 
     with pytest.raises(ValueError, match="'int8' is not a floating-point torch dtype"):
         load_model(chain.artifact("model"), dtype="int8")
+
+
+def test_the_evaluate_run_has_its_dataset_as_an_input(chain: Chain, ctx: StageContext) -> None:
+    """What the figures were measured on, as an MLflow dataset input of the evaluate run
+    (context `evaluation`): the prepared data's held-out split, its own name and digest,
+    the full data fingerprint a tag, its profile the split's sizes; and what the register
+    stage reads for the model's input example and default max_new_tokens."""
+    run = ctx.tracker.client.get_run(chain_evaluate_run(ctx).info.run_id)
+    [given] = run.inputs.dataset_inputs
+    tags = {t.key: t.value for t in given.tags}
+    prepared = chain.results["prepare_data"]
+    assert tags["mlflow.data.context"] == "evaluation"
+    assert tags["kubellm.data_fingerprint"] == prepared.data_fingerprint
+    assert given.dataset.name == "tiny-stage-data-val" and len(given.dataset.digest) == 10
+    assert json.loads(run.data.tags[evaluate.TAG_EVAL_DATASET]) == [
+        given.dataset.name,
+        given.dataset.digest,
+    ]
+    profile = json.loads(given.dataset.profile)
+    manifest = prepared.manifest
+    assert profile["records"] == manifest["records"]["val"] > 0
+    assert profile["tokens"] == manifest["tokens"]["val"]
+    first = json.loads(chain.artifact("predictions.json").read_text())[0]
+    assert run.data.tags[evaluate.TAG_INPUT_EXAMPLE] == first["prompt"]
+    assert run.data.tags[evaluate.TAG_MAX_NEW_TOKENS] == str(first["max_new_tokens"])

@@ -31,6 +31,7 @@ from kubellm.stages import smoke_test
 from kubellm.stages.context import StageContext
 from kubellm.stages.deploy import serve_request
 from kubellm.tracking import champion_of
+from kubellm.tracking.registry import storage_uri
 from stages.conftest import Chain, side_context
 
 NAME = "tiny-canary"
@@ -85,7 +86,7 @@ def story(
     source = client.get_model_version("tiny-stage", chain.results["register"].version)
     client.create_registered_model(NAME)
     for _ in range(2):  # v1 serves first, v2 is the canary
-        client.create_model_version(NAME, source.source, run_id=source.run_id)
+        client.create_model_version(NAME, storage_uri(client, source), run_id=source.run_id)
     with SimCluster(tmp_path_factory.mktemp("rollout-cluster")) as sim:
         side = side_context(
             ctx,

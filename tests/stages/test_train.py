@@ -37,7 +37,7 @@ def test_the_training_run_records_its_dataset_config_and_loss_curve(
 ) -> None:
     """The train run's lineage: the same MLflow dataset as the prepare run (MLflow links
     them by name and digest), the resolved TrainConfig the job read, and the training loss
-    at every log_every step (30 steps, log_every 3: a curve, not one point)."""
+    at every log_every step (30 steps, fewer than 100: every step)."""
     from pathlib import Path
 
     from kubellm.config import TrainConfig
@@ -57,7 +57,7 @@ def test_the_training_run_records_its_dataset_config_and_loss_curve(
     assert resolved.steps == 30 and resolved.mlflow_run_id == train_run.info.run_id
     assert resolved.learning_rate == pytest.approx(chain.results["tune"].params["learning_rate"])
     history = client.get_metric_history(train_run.info.run_id, "loss")
-    assert [m.step for m in history] == list(range(3, 31, 3))
+    assert [m.step for m in history] == list(range(1, 31))
 
 
 def test_invalid_hyperparameters_fail_naming_the_field(chain: Chain, ctx: StageContext) -> None:
@@ -65,3 +65,30 @@ def test_invalid_hyperparameters_fail_naming_the_field(chain: Chain, ctx: StageC
     with pytest.raises(ConfigError, match=r"invalid learning_rate=5\.0"):
         train.run(ctx, chain.artifact("dataset"), bad, str(chain.root / "never"))
     assert not (chain.root / "never").exists()
+
+
+def logged_steps(steps: int, log_every: int) -> list[int]:
+    """The steps kubellm.train.loop logs at: every log_every-th and the last."""
+    return [s for s in range(1, steps + 1) if s % log_every == 0 or s == steps]
+
+
+@pytest.mark.parametrize(
+    ("steps", "log_every", "points"),
+    [
+        (1, 1, 1),
+        (30, 1, 30),
+        (99, 1, 99),
+        (100, 1, 100),
+        (250, 2, 125),
+        (1500, 15, 100),
+        (1501, 15, 101),
+        (20_000, 200, 100),
+    ],
+)
+def test_log_every_gives_about_100_loss_points_whatever_the_step_count(
+    steps: int, log_every: int, points: int
+) -> None:
+    """Issue 25: the loss curve had 10 points whatever the run (`steps // 10`)."""
+    assert train.log_every_for(steps) == log_every
+    assert len(logged_steps(steps, log_every)) == points
+    assert logged_steps(steps, log_every)[-1] == steps  # the final loss is kept

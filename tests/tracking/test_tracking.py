@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from kubellm.config import PipelineConfig
 from kubellm.stages import register
 from kubellm.stages.context import StageContext, open_tracker
 from kubellm.tracking import SUPPRESS_RUN_URL_ENV, TAG_KFP_RUN, TAG_PARENT, TAG_STAGE
-from kubellm.tracking.registry import download_hf_dir
+from kubellm.tracking.registry import download_hf_dir, storage_uri
 from tracking.mlflow_server import MlflowServer
 
 FINGERPRINT = "sha256:0123abcd"
@@ -141,7 +142,8 @@ def test_register_creates_versions_with_lineage_sqlite(
     first = _register_twice(local_cfg, tiny_model_dir, "kfp-reg")
     mv = first.tracker.client.get_model_version(local_cfg.model_name, "1")
     # an MLflow transformers model (MLmodel + model/ + components/tokenizer/), logged once
-    stored = Path(mv.source.removeprefix("file://"))
+    assert mv.source == f"models:/{mv.tags['kubellm.logged_model']}"
+    stored = Path(storage_uri(first.tracker.client, mv).removeprefix("file://"))
     assert stored.is_relative_to(Path(local_cfg.runs_dir) / "mlartifacts" / "models")
     weights = (stored / "model" / "model.safetensors").read_bytes()
     assert weights == (tiny_model_dir / "model.safetensors").read_bytes()
@@ -166,8 +168,21 @@ def test_register_against_a_real_mlflow_server(
     # the server, not this process, stored them: proxied to --artifacts-destination
     uploaded = list(mlflow_server.artifacts.rglob("config.json"))
     assert len(uploaded) == 2, uploaded  # one per registered version
-    # and the version records the proxied location, not a path on this machine
-    assert mv.source.startswith("mlflow-artifacts:"), mv.source
+    # registered from the LoggedModel: its models:/ URI, which the server resolved itself
+    model_id = mv.tags["kubellm.logged_model"]
+    assert mv.source == f"models:/{model_id}", mv.source
+    logged = client.get_logged_model(model_id)
+    listed = json.loads(logged.tags["mlflow.modelVersions"])  # the server's, version an int
+    assert [(v["name"], str(v["version"])) for v in listed] == [(cfg.model_name, "1")]
+    # the first run's evaluate figures are the LoggedModel's metrics, naming that run
+    evaluation = mv.tags["kubellm.evaluation_run"]
+    assert {m.key: (m.value, m.run_id) for m in logged.metrics} == {
+        "exact_match": (0.25, evaluation),
+        "perplexity": (3.5, evaluation),
+    }
+    # and the version's files are the proxied location, not a path on this machine
+    stored = storage_uri(client, mv)
+    assert stored.startswith("mlflow-artifacts:"), stored
 
 
 SECRET = "s3cr3t-pw"

@@ -165,3 +165,22 @@ def test_lr_schedule_warms_up_then_decays() -> None:
     decay = [lr_factor(s, 10, 100) for s in range(10, 100)]
     assert all(a > b for a, b in itertools.pairwise(decay)), "decay is not monotone"
     assert lr_factor(150, 10, 100) == pytest.approx(0.1)  # past the end: the floor, not below
+
+
+def test_a_1500_step_run_logs_at_least_100_loss_points(
+    dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 25: with the train stage's log_every, 1,500 real steps print (and send to
+    MLflow: the same points, kubellm.train.loop `_emit`) 100 losses, the last at the last
+    step; `steps // 10` gave 10. In-process, one rank: about 10 s on two cores."""
+    from trainkit import step_losses, tiny_config
+
+    from kubellm.stages.train import log_every_for
+    from kubellm.train.loop import train
+
+    cfg = tiny_config(
+        dataset, tmp_path / "m", steps=1500, log_every=log_every_for(1500), eval_batches=1
+    )
+    train(cfg)
+    losses = step_losses(capsys.readouterr().out)
+    assert len(losses) >= 100 and max(losses) == 1500

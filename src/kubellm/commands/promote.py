@@ -27,7 +27,13 @@ from kubellm.config import ConfigError, PipelineConfig, pipeline_config
 from kubellm.evaluate.gate import REJECT
 from kubellm.stages.deploy import TAG_SERVING_URI, registry_model_uri, serve_request
 from kubellm.tracking import CHAMPION, champion_of, check_reachable
-from kubellm.tracking.registry import TAG_GATE, TAG_GATE_REASON, get_version, is_object_store
+from kubellm.tracking.registry import (
+    TAG_GATE,
+    TAG_GATE_REASON,
+    get_version,
+    is_object_store,
+    storage_uri,
+)
 
 TAG_PROMOTED = "kubellm.promoted"
 
@@ -53,7 +59,7 @@ def _model_uri(ws: Workspace, client: MlflowClient, mv: Any) -> str:
     """As the deploy stage does it, from wherever promote runs: on a cluster without the
     workspace PVC mounted here (a laptop), a version outside an object store is served from
     the copy its deploy step left on the PVC."""
-    source = str(mv.source)
+    source = storage_uri(client, mv)
     if ws.pvc_name and not is_object_store(source) and not Path(workspace_mount()).is_dir():
         served = str((mv.tags or {}).get(TAG_SERVING_URI, ""))
         if served.startswith("pvc://"):

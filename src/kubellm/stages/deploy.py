@@ -22,7 +22,7 @@ from kubellm.backends.base import Rollout, ServeRequest, ServeResources, Workspa
 from kubellm.config import PipelineConfig
 from kubellm.serve.layout import WEIGHTS_DIR
 from kubellm.stages.context import StageContext, StageResult, markdown_table
-from kubellm.tracking.registry import download_hf_dir, get_version, is_object_store
+from kubellm.tracking.registry import download_hf_dir, get_version, is_object_store, storage_uri
 
 # The model version remembers where it was last served from (promote on a cluster reuses it).
 TAG_SERVING_URI = "kubellm.serving_uri"
@@ -85,7 +85,7 @@ def registry_model_uri(ws: Workspace, client: MlflowClient, mv: Any) -> str:
     Face directory, into the workspace (`serve/v<version>`), and served from there: a local
     path, or pvc://<claim>/... on a cluster.
     """
-    source = str(mv.source)
+    source = storage_uri(client, mv)  # the files behind a models:/<model_id> source
     if ws.pvc_name and is_object_store(source):
         return f"{source.rstrip('/')}/{WEIGHTS_DIR}"
     path = download_hf_dir(client, mv, ws.dir("serve", f"v{mv.version}"))
@@ -114,6 +114,7 @@ def run(ctx: StageContext, model_dir: str | Path, version: str) -> Result:
                 "model_version": version,
                 "model_uri": request.model_uri,
                 "registry_source": str(mv.source),
+                "registry_storage": storage_uri(client, mv),
                 "serving_runtime": request.runtime,
                 "serving_dtype": request.dtype or "checkpoint",
                 "canary_traffic_percent": request.canary_traffic_percent if rollout.canary else 100,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubellm.data.artifact import load_eval_examples
+from kubellm.data.artifact import load_eval_examples, load_manifest
 from kubellm.data.records import DataError
 from kubellm.evaluate.gate import PROMOTE, REJECT, Champion, decide
 from kubellm.evaluate.metrics import Row, evaluate, heldout_texts
@@ -31,6 +31,14 @@ from kubellm.stages.context import StageContext, StageResult, markdown_table, wr
 __all__ = ["PROMOTE", "REJECT", "Result", "run"]
 
 MAX_EXAMPLES = 256  # evaluate()'s default: the examples both models are asked
+# What the register stage makes the MLflow model's input example and default max_new_tokens
+# (kubellm.tracking.registry.PredictDefaults): a prompt of this data and the budget its
+# longest held-out completion was given.
+TAG_INPUT_EXAMPLE = "kubellm.input_example"
+TAG_MAX_NEW_TOKENS = "kubellm.max_new_tokens"
+# The evaluation dataset (the prepared data's val split) as MLflow names it: name and digest.
+TAG_EVAL_DATASET = "kubellm.eval_dataset"
+MAX_EXAMPLE_CHARS = 2000  # an input example is shown, not a document
 
 
 @dataclass
@@ -150,6 +158,18 @@ def training_loss(ctx: StageContext) -> LossCurve:
     return LossCurve(LOSS_KEYS[0], [], run_id, f"its train run {run_id} logged none")
 
 
+def predict_tags(predictions: list[dict[str, Any]]) -> dict[str, str]:
+    """The first evaluated prompt and its generation budget (the longest completion's), as
+    tags the register stage reads for the MLflow model's input example and defaults."""
+    if not predictions:
+        return {}
+    first = predictions[0]
+    return {
+        TAG_INPUT_EXAMPLE: str(first["prompt"])[:MAX_EXAMPLE_CHARS],
+        TAG_MAX_NEW_TOKENS: str(int(first["max_new_tokens"])),
+    }
+
+
 def run(
     ctx: StageContext,
     model_dir: str | Path,
@@ -190,6 +210,11 @@ def run(
         if champion is not None:
             logged.update({f"champion_{k}": v for k, v in champion.metrics.items()})
         write_json(predictions_path, scored["predictions"])
+        # what was measured on: the held-out split, as an MLflow dataset (register links the
+        # model's metrics to it)
+        dataset = ctx.tracker.log_dataset(
+            run_id, cfg.model_name, load_manifest(dataset_dir), "evaluation", split="val"
+        )
         ctx.tracker.log(
             run_id,
             metrics=logged,
@@ -198,6 +223,8 @@ def run(
                 "kubellm.gate_reason": gate.reason,
                 "kubellm.gate_metric": gate.metric,
                 "kubellm.champion": about,
+                TAG_EVAL_DATASET: json.dumps(dataset),
+                **predict_tags(scored["predictions"]),
             },
         )
         report = markdown_table(

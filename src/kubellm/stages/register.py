@@ -1,6 +1,8 @@
 """The register stage: the model logged once as an MLflow transformers model
-(kubellm.tracking.registry describes the layout) and registered as a new version with its
-lineage, alias `challenger`.
+(kubellm.tracking.registry describes the layout) and registered from that LoggedModel
+(`models:/<model_id>`) as a new version with its lineage, alias `challenger`. The
+LoggedModel gets the evaluate stage's metrics with its evaluation dataset, and its input
+example and default max_new_tokens from the data (the evaluate run's held-out prompts).
 
 Serving, promotion and the champion's evaluation load that version from the registry, never
 from a run's workspace folder.
@@ -8,16 +10,26 @@ from a run's workspace folder.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kubellm import __version__
 from kubellm.stages.context import StageContext, StageResult, markdown_table
+from kubellm.stages.evaluate import TAG_EVAL_DATASET, TAG_INPUT_EXAMPLE, TAG_MAX_NEW_TOKENS
 from kubellm.tracking import CHALLENGER, TAG_FINGERPRINT, TAG_KFP_RUN, TAG_RECIPE_FINGERPRINT
-from kubellm.tracking.registry import log_transformers_model, register_version
+from kubellm.tracking.registry import (
+    PredictDefaults,
+    link_evaluation,
+    log_transformers_model,
+    register_version,
+    storage_uri,
+)
 
-# The MLflow model's input example: any prompt is valid input; this is the default corpus's.
-INPUT_EXAMPLE = "12+7="
+# Without an evaluate run to read them from (a register call on its own): any prompt is
+# valid input; this is the default corpus's, and its answers fit in 8 tokens.
+FALLBACK = PredictDefaults("12+7=", 8, "kubellm defaults (no evaluate run)")
 # The kubellm release whose pipeline made the version (KFP hands a step no pipeline-version
 # id: its placeholders name the run, the task and the job, not the pipeline version).
 TAG_KUBELLM_VERSION = "kubellm.version"
@@ -29,7 +41,8 @@ TAG_PIPELINE_VERSION = "kubellm.pipeline_version"
 class Result(StageResult):
     version: str = ""
     model_id: str = ""  # the MLflow LoggedModel (models:/<model_id>)
-    source: str = ""  # the version's artifact: where serving fetches it
+    source: str = ""  # the version's source: models:/<model_id>
+    storage: str = ""  # where its files are (the LoggedModel's artifacts): serving fetches them
 
 
 def lineage_tags(ctx: StageContext) -> dict[str, str]:
@@ -62,6 +75,30 @@ def lineage_tags(ctx: StageContext) -> dict[str, str]:
     return tags
 
 
+def predict_defaults(evaluation: Any | None) -> PredictDefaults:
+    """The input example and default max_new_tokens the evaluate run recorded (a prompt of
+    the data and the budget of its longest held-out completion), else FALLBACK."""
+    if evaluation is None:
+        return FALLBACK
+    tags = evaluation.data.tags
+    if TAG_INPUT_EXAMPLE not in tags or TAG_MAX_NEW_TOKENS not in tags:
+        return FALLBACK
+    return PredictDefaults(
+        tags[TAG_INPUT_EXAMPLE],
+        int(tags[TAG_MAX_NEW_TOKENS]),
+        f"evaluate run {evaluation.info.run_id}",
+    )
+
+
+def eval_dataset(evaluation: Any | None) -> tuple[str, str] | None:
+    """(name, digest) of the dataset the evaluate run measured on, if it recorded one."""
+    shown = evaluation.data.tags.get(TAG_EVAL_DATASET) if evaluation is not None else None
+    if not shown:
+        return None
+    name, digest = json.loads(shown)
+    return str(name), str(digest)
+
+
 def model_card(ctx: StageContext, tags: dict[str, str]) -> str:
     """The card saved with the model (instead of one fetched from the Hub)."""
     lines = [
@@ -86,17 +123,21 @@ def run(ctx: StageContext, model_dir: str | Path) -> Result:
     name = ctx.cfg.model_name
     with ctx.stage("register") as run_id:
         tags = lineage_tags(ctx)
+        evaluation = ctx.stage_runs().get("evaluate")
         logged = log_transformers_model(
             client,
             ctx.tracker.experiment_id,
             run_id,
             model_dir,
-            input_example=INPUT_EXAMPLE,
+            defaults=predict_defaults(evaluation),
             card_text=model_card(ctx, tags),
             tags={TAG_KFP_RUN: ctx.kfp_run_id},
         )
+        if evaluation is not None:
+            link_evaluation(client, logged.model_id, evaluation, eval_dataset(evaluation))
         mv = register_version(client, name, logged, run_id, tags)
         client.set_registered_model_alias(name, CHALLENGER, mv.version)
+        storage = storage_uri(client, mv)
         ctx.tracker.log(
             run_id,
             tags={"kubellm.model_version": mv.version, "kubellm.model_id": logged.model_id, **tags},
@@ -107,11 +148,13 @@ def run(ctx: StageContext, model_dir: str | Path) -> Result:
         "register",
         Result(
             report=markdown_table(
-                "Registered model", [*rows, ("source", mv.source), *tags.items()]
+                "Registered model",
+                [*rows, ("source", mv.source), ("storage", storage), *tags.items()],
             ),
             headline=f"{name} version {version} (alias challenger; models:/{logged.model_id})",
             version=version,
             model_id=logged.model_id,
             source=str(mv.source),
+            storage=storage,
         ),
     )

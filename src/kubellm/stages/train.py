@@ -11,6 +11,15 @@ from kubellm.stages.configs import train_config
 from kubellm.stages.context import StageContext, StageResult, markdown_table
 
 REPORTED = ("train_loss", "eval_loss", "perplexity", "tokens_per_sec")
+# About this many points on the loss curve (MLflow's charts, the evaluate report), whatever
+# the step count: between POINTS and 2 * POINTS - 1 for POINTS steps or more, every step below.
+POINTS = 100
+
+
+def log_every_for(steps: int, points: int = POINTS) -> int:
+    """The trainer's log_every for a run of `steps` steps: about `points` metric lines (the
+    final step always logs too: kubellm.train.loop)."""
+    return max(1, steps // points)
 
 
 @dataclass
@@ -34,7 +43,7 @@ def run(ctx: StageContext, dataset_dir: str | Path, hparams_json: str, model_dir
             data,
             out,
             steps=cfg.train_steps,
-            log_every=max(1, cfg.train_steps // 10),
+            log_every=log_every_for(cfg.train_steps),
             # A retried step or a restarted PyTorchJob pod resumes from the newest checkpoint.
             checkpoint_dir=str(ws.dir("checkpoints", "train")),
             checkpoint_every=max(1, cfg.train_steps // 5),

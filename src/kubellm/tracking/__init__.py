@@ -7,6 +7,7 @@ is tagged with the KFP run id so the exit handler can find them all again.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -98,34 +99,52 @@ def check_reachable(uri: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
         )
 
 
-def dataset_input(model_name: str, manifest: dict[str, Any]) -> Any:
+def dataset_input(model_name: str, manifest: dict[str, Any], split: str = "") -> Any:
     """The prepared dataset as an MLflow dataset (mlflow.data): named after the model, its
     digest the data fingerprint's first 10 hex digits (MLflow's recommended length; the
     full one is a tag of the input), its source the data the user gave, its profile the
     split sizes. The prepare run and the training run log the same one, so MLflow links
-    them by (name, digest)."""
+    them by (name, digest).
+
+    `split="val"`: its held-out split alone, what the evaluate stage measures on (named
+    `<model>-data-val`, its digest over the data fingerprint and the val shards' sha256),
+    the dataset of the metrics on the registered LoggedModel."""
     from mlflow.data.meta_dataset import MetaDataset
 
     source = str(manifest["params"]["source"])
+    rec, tokens = manifest["records"], manifest["tokens"]
+    if split:
+        h = hashlib.sha256(str(manifest["data_fingerprint"]).encode())
+        for shard in manifest.get("shards", []):  # [{"name": "val/part-0.parquet", ...}]
+            if str(shard["name"]).startswith(f"{split}/"):
+                h.update(f"{shard['name']}:{shard['sha256']}".encode())
+        name, digest = f"{model_name}-data-{split}", h.hexdigest()[:10]
+        profile: dict[str, Any] = {
+            "records": rec[split],
+            "tokens": tokens[split],
+            "rows": manifest["rows"][split],
+            "eval_examples": rec.get("eval_examples", 0),
+            "seq_len": manifest["seq_len"],
+        }
+    else:
+        name, digest = f"{model_name}-data", str(manifest["data_fingerprint"])[:10]
+        profile = {
+            "records": {k: rec[k] for k in ("read", "kept", "train", "val")},
+            "dropped": rec["dropped"],
+            "tokens": {"train": tokens["train"], "val": tokens["val"]},
+            "seq_len": manifest["seq_len"],
+            "rows": manifest["rows"],
+        }
 
     class _Prepared(MetaDataset):
         @property
         def profile(self) -> dict[str, Any]:
-            rec, tokens = manifest["records"], manifest["tokens"]
-            return {
-                "records": {k: rec[k] for k in ("read", "kept", "train", "val")},
-                "dropped": rec["dropped"],
-                "tokens": {"train": tokens["train"], "val": tokens["val"]},
-                "seq_len": manifest["seq_len"],
-                "rows": manifest["rows"],
-            }
+            return profile
 
         def to_dict(self) -> dict[str, str]:
             return {**super().to_dict(), "profile": json.dumps(self.profile)}
 
-    return _Prepared(
-        _source_of(source), name=f"{model_name}-data", digest=manifest["data_fingerprint"][:10]
-    )
+    return _Prepared(_source_of(source), name=name, digest=digest)
 
 
 def _source_of(source: str) -> Any:
@@ -273,18 +292,25 @@ class Tracker:
         )
 
     def log_dataset(
-        self, run_id: str, model_name: str, manifest: dict[str, Any], context: str
-    ) -> None:
-        """The prepared dataset (`dataset_input`) as an input of the run, used for
-        `context`; the full data fingerprint rides along as a tag of the input."""
+        self,
+        run_id: str,
+        model_name: str,
+        manifest: dict[str, Any],
+        context: str,
+        split: str = "",
+    ) -> tuple[str, str]:
+        """The prepared dataset (`dataset_input`, or one `split` of it) as an input of the
+        run, used for `context`; the full data fingerprint rides along as a tag of the
+        input. Returns its (name, digest)."""
         from mlflow.entities import DatasetInput, InputTag
 
         tags = [
             InputTag(TAG_DATA_CONTEXT, context),
             InputTag(TAG_FINGERPRINT, str(manifest["data_fingerprint"])),
         ]
-        entity = dataset_input(model_name, manifest)._to_mlflow_entity()
+        entity = dataset_input(model_name, manifest, split)._to_mlflow_entity()
         self.client.log_inputs(run_id, [DatasetInput(entity, tags)])
+        return str(entity.name), str(entity.digest)
 
     def finish_parent(self, parent_run_id: str, succeeded: bool) -> None:
         self.client.set_terminated(parent_run_id, "FINISHED" if succeeded else "FAILED")

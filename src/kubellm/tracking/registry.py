@@ -11,8 +11,14 @@ A version's artifact (logged once, by the register stage, under its MLflow run):
                             (what KServe's Hugging Face runtime is given)
     components/tokenizer/   the tokenizer files
 
-so `mlflow.transformers.load_model("models:/NAME/VERSION")` returns a text-generation
-pipeline and `mlflow.pyfunc.load_model(...).predict(["12+7="])` generates text. Serving
+so `mlflow.transformers.load_model("models:/NAME@champion")` returns a text-generation
+pipeline and `mlflow.pyfunc.load_model(...).predict([prompt])` generates text: its input
+example is a prompt of the data the model was trained on, its default `max_new_tokens` the
+longest held-out completion's (PredictDefaults, from the evaluate stage). The version is
+registered from the LoggedModel (source `models:/<model_id>`, MLflow 3's link from a
+version to its model page), which carries the evaluation's metrics, each with the
+evaluation dataset (`link_evaluation`); its files stay at the LoggedModel's artifact
+location (`storage_uri`). Serving
 reads the same artifact: `kubellm serve` loads this layout as is (kubellm.serve.layout),
 and `download_hf_dir` assembles a plain Hugging Face directory from it (evaluate's champion,
 the local server, a PVC copy for KServe).
@@ -29,14 +35,16 @@ not inferred (no pip subprocess).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import LoggedModel, LoggedModelOutput
+from mlflow.entities import LoggedModel, LoggedModelInput, LoggedModelOutput, Metric
 from mlflow.entities.model_registry import ModelVersion
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -53,12 +61,14 @@ TAG_GATE = "kubellm.gate"  # the evaluate stage's decision (kubellm.evaluate.gat
 TAG_GATE_REASON = "kubellm.gate_reason"
 # Storage KServe's storage initializer fetches itself; anything else is copied for it.
 OBJECT_STORES = ("s3://", "gs://")
-# What pyfunc predict uses unless the caller passes params: the pipeline's greedy decoding.
-PREDICT_DEFAULTS: dict[str, Any] = {
-    "max_new_tokens": 8,
-    "do_sample": False,
-    "return_full_text": False,
-}
+# What pyfunc predict uses unless the caller passes params: the pipeline's greedy decoding
+# (max_new_tokens comes from the data: PredictDefaults).
+GREEDY: dict[str, Any] = {"do_sample": False, "return_full_text": False}
+# The bounds of a data-derived default max_new_tokens (a caller's params may ask for more).
+MAX_DEFAULT_NEW_TOKENS = 512
+# MLflow's tag on a LoggedModel listing the versions registered from it (what
+# mlflow.register_model writes; the model page links them).
+TAG_MODEL_VERSIONS = "mlflow.modelVersions"
 REQUIREMENTS = ("transformers", "torch", "safetensors", "tokenizers")
 
 
@@ -70,7 +80,26 @@ def pinned_requirements(packages: tuple[str, ...] = REQUIREMENTS) -> list[str]:
     return [f"{p}=={Version(importlib.metadata.version(p)).public}" for p in packages]
 
 
-def signature() -> Any:
+@dataclass(frozen=True)
+class PredictDefaults:
+    """What pyfunc predict is shown and does by default, from the data the model was
+    trained on: `input_example` one of its held-out prompts, `max_new_tokens` the budget
+    the evaluate stage gave the longest held-out completion (bounded to 1..512);
+    `origin` says where they were read (an MLmodel metadata entry)."""
+
+    input_example: str
+    max_new_tokens: int
+    origin: str = ""
+
+    def __post_init__(self) -> None:
+        bounded = min(max(int(self.max_new_tokens), 1), MAX_DEFAULT_NEW_TOKENS)
+        object.__setattr__(self, "max_new_tokens", bounded)
+
+    def model_config(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_new_tokens, **GREEDY}
+
+
+def signature(max_new_tokens: int) -> Any:
     """Prompts in, completions out; generation options as params."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
@@ -78,7 +107,7 @@ def signature() -> Any:
     return ModelSignature(
         inputs=Schema([ColSpec(DataType.string)]),
         outputs=Schema([ColSpec(DataType.string)]),
-        params=ParamSchema([ParamSpec("max_new_tokens", DataType.long, 8)]),
+        params=ParamSchema([ParamSpec("max_new_tokens", DataType.long, max_new_tokens)]),
     )
 
 
@@ -102,12 +131,12 @@ def log_transformers_model(
     experiment_id: str,
     run_id: str,
     model_dir: str | Path,
-    input_example: str,
+    defaults: PredictDefaults,
     card_text: str,
     tags: dict[str, str] | None = None,
 ) -> LoggedModel:
     """Log the Hugging Face directory `model_dir` as an MLflow transformers model (a
-    LoggedModel, output of run `run_id`); no remote code."""
+    LoggedModel, output of run `run_id`; its params the predict defaults); no remote code."""
     import mlflow.transformers
     from huggingface_hub import ModelCard
     from mlflow.models import Model
@@ -130,11 +159,12 @@ def log_transformers_model(
                 {"model": model, "tokenizer": tokenizer},
                 str(local),
                 task=TASK,
-                signature=signature(),
-                input_example=input_example,
+                signature=signature(defaults.max_new_tokens),
+                input_example=defaults.input_example,
                 pip_requirements=pinned_requirements(),
                 model_card=ModelCard(card_text),
-                model_config=dict(PREDICT_DEFAULTS),
+                model_config=defaults.model_config(),
+                metadata={"kubellm.predict_defaults_from": defaults.origin or "defaults"},
                 mlflow_model=Model(
                     artifact_path=logged.artifact_location,
                     model_uuid=logged.model_id,
@@ -151,6 +181,9 @@ def log_transformers_model(
             if (local / TOKENIZER_DIR).is_dir():
                 shutil.copytree(local / TOKENIZER_DIR, local / WEIGHTS_DIR, dirs_exist_ok=True)
             client.log_model_artifacts(logged.model_id, str(local))
+        client.log_model_params(
+            logged.model_id, {"max_new_tokens": str(defaults.max_new_tokens), "task": TASK}
+        )
         client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
     except BaseException:
         client.finalize_logged_model(logged.model_id, "FAILED")
@@ -166,21 +199,75 @@ def register_version(
     tags: dict[str, str],
     description: str = "kubellm causal LM",
 ) -> ModelVersion:
-    """A new version of `name` (created if missing) whose source is the LoggedModel's
-    artifact: a storage URI (s3://, mlflow-artifacts:/, file://) that KServe or a download
-    reads without asking the registry again."""
+    """A new version of `name` (created if missing) registered from the LoggedModel, as
+    `mlflow.register_model("models:/<model_id>")` does it: source `models:/<model_id>` (the
+    registry keeps the LoggedModel's artifact location as the version's storage, which
+    `storage_uri` and downloads read), and the LoggedModel's `mlflow.modelVersions` tag
+    lists the version.
+
+    MLflow's SQL registry resolves a `models:/` source through the process's global
+    tracking URI (sqlalchemy_store.create_model_version: `MlflowClient().get_logged_model`);
+    it is pointed at this client's store for that one call. A tracking server resolves it
+    on its side (and tags the LoggedModel itself). MLflow's open-source stores keep no
+    model_id column: ModelVersion.model_id reads None there; the source names the model
+    (and the kubellm.logged_model tag)."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
     try:
         client.create_registered_model(name, description=description)
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    return client.create_model_version(
-        name,
-        logged.artifact_location,
-        run_id=run_id,
-        tags={**tags, TAG_LOGGED_MODEL: logged.model_id},
-        model_id=logged.model_id,
-    )
+    with _use_tracking_uri(client.tracking_uri):
+        mv = client.create_model_version(
+            name,
+            f"models:/{logged.model_id}",
+            run_id=run_id,
+            tags={**tags, TAG_LOGGED_MODEL: logged.model_id},
+            model_id=logged.model_id,
+        )
+    # a tracking server lists it itself (handlers: set_model_versions_tags); a local store not
+    listed = json.loads(client.get_logged_model(logged.model_id).tags.get(TAG_MODEL_VERSIONS, "[]"))
+    if not any((v["name"], str(v["version"])) == (name, str(mv.version)) for v in listed):
+        listed.append({"name": name, "version": str(mv.version)})
+        client.set_logged_model_tags(logged.model_id, {TAG_MODEL_VERSIONS: json.dumps(listed)})
+    return mv
+
+
+def link_evaluation(
+    client: MlflowClient,
+    model_id: str,
+    evaluation: Any,
+    dataset: tuple[str, str] | None,
+) -> list[Metric]:
+    """The evaluate stage's figures (run `evaluation`, an mlflow Run) on the LoggedModel,
+    each with the evaluation dataset (name, digest): the metrics of MLflow 3's model page.
+    The champion's figures that run also holds (`champion_*`) are not this model's.
+
+    They are logged to the evaluate run again with the model id, at their own timestamp
+    and step, so the run's history keeps one point each (MLflow drops an identical metric)
+    and each model metric names the run that measured it; that run also gets the model
+    as an input (the model it evaluated)."""
+    run_id = str(evaluation.info.run_id)
+    name, digest = dataset if dataset else (None, None)
+    linked = []
+    for key in sorted(k for k in evaluation.data.metrics if not k.startswith("champion_")):
+        for m in client.get_metric_history(run_id, key)[-1:]:
+            linked.append(Metric(key, m.value, m.timestamp, m.step, model_id, name, digest))
+    if linked:
+        client.log_batch(run_id, metrics=linked)
+    client.log_inputs(run_id, models=[LoggedModelInput(model_id)])
+    return linked
+
+
+def storage_uri(client: MlflowClient, mv: Any) -> str:
+    """Where version `mv`'s files are: the source itself, unless it is a `models:/` URI
+    (then the registry's storage location for it: the LoggedModel's artifact location, an
+    s3://, gs://, mlflow-artifacts:/ or file:// URI)."""
+    source = str(mv.source)
+    if not source.startswith("models:/"):
+        return source
+    return str(client.get_model_version_download_uri(mv.name, str(mv.version)))
 
 
 def get_version(client: MlflowClient, name: str, version: str) -> ModelVersion:
@@ -232,7 +319,9 @@ def download_hf_dir(client: MlflowClient, mv: ModelVersion, dest: str | Path) ->
     try:
         local = Path(
             mlflow.artifacts.download_artifacts(
-                artifact_uri=str(mv.source), dst_path=str(staging), tracking_uri=client.tracking_uri
+                artifact_uri=storage_uri(client, mv),
+                dst_path=str(staging),
+                tracking_uri=client.tracking_uri,
             )
         )
         if dest.exists():
