@@ -180,8 +180,14 @@ def test_node0s_log_is_echoed_live_and_node1s_is_not(
     result = trainer(sim).run(train_job("live", SHOWN=str(shown)))
 
     first = echo.index("] node 0 step=1 loss=2.5")
-    # (Trainer v2.3 has no Running condition: the TrainJob reads Pending until it ends.)
-    assert 0 <= echo.index("trainjob/live: Pending") < first
+    # the state lines: Trainer v2.3 has no Running condition, so it comes from jobsStatus
+    states = [
+        i
+        for i, line in enumerate(echo.lines)
+        if line.startswith("trainjob/live: ") and "created" not in line
+    ]
+    assert states and states[0] < first, echo.lines
+    assert any(echo.lines[i].startswith("trainjob/live: Running (node: ") for i in states)
     assert 0 <= first < echo.index("] node 0 eval_loss=1.75") < echo.index("live: Complete")
     (node0,) = pods_added(sim, "live", 0)
     assert echo.lines[first] == f"[{node0}] node 0 step=1 loss=2.5"
