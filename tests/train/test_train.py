@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -182,5 +183,9 @@ def test_a_1500_step_run_logs_at_least_100_loss_points(
         dataset, tmp_path / "m", steps=1500, log_every=log_every_for(1500), eval_batches=1
     )
     train(cfg)
-    losses = step_losses(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    losses = step_losses(captured.out)
     assert len(losses) >= 100 and max(losses) == 1500
+    # ...while the progress line stays at about one per 10 %, as it was
+    progress = re.findall(r"train: (\d+)/1500 steps", captured.out + captured.err)
+    assert [int(n) for n in progress] == list(range(150, 1501, 150)), progress

@@ -489,6 +489,10 @@ class _Run:
         start = self.resume()
         last: dict[str, float] = {}
         began = window_t = settled(plan.device)
+        # the progress line about every 10 % (metrics go out every log_every steps, which
+        # the train stage sets for ~100 points on the loss curve: too many lines to read)
+        progress_every = max(1, cfg.steps // 10)
+        next_progress = start + progress_every
         window_steps = 0
         self.engine.train()
         control = dist.new_group(backend="gloo") if self.world > 1 else None
@@ -527,6 +531,8 @@ class _Run:
                         last["peak_mem_gb"] = torch.cuda.max_memory_allocated(plan.device) / 2**30
                     if self.rank == 0:
                         _emit(last, self.sink, done)
+                    if self.rank == 0 and (done >= next_progress or done == cfg.steps):
+                        next_progress = done + progress_every
                         rate = (done - start) / (time.perf_counter() - began)
                         self.log(
                             f"{done}/{cfg.steps} steps ({100 * done / cfg.steps:.0f}%), "
