@@ -21,6 +21,7 @@ from background_runs import BackgroundRuns
 
 from fakes.kfp_runtime import install_profile_objects, namespace_labels
 from fakes.sim_cluster import SimCluster
+from kubellm.commands.local_stages import STAGES as SPAN_STAGES
 from kubellm.config import pipeline_config
 from tracking.mlflow_server import MlflowServer, running_mlflow_server
 
@@ -37,16 +38,9 @@ SMALL = {
     "train_steps": 40,
     "batch_size": 8,
 }
-STAGES = {
-    "preflight",
-    "prepare_data",
-    "tune",
-    "train",
-    "evaluate",
-    "register",
-    "deploy",
-    "smoke_test",
-}
+# The stages with an MLflow run of their own: every step of a full run but the exit handler
+# and record_data (which logs into prepare_data's run)
+STAGES = {"preflight", *SPAN_STAGES} - {"record_data"}
 
 
 # Half of these questions have a learnable answer (`abc?` -> `yes`), half a random one

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from fakes.fake_k8s import FakeK8s
 from fakes.k8s_schemas import crds_dir, missing_files, missing_reason
+from fakes.sim_cluster import SimCluster
 
 # Polls in these tests are fast; a real cluster uses seconds.
 POLL_S = 0.05
@@ -79,3 +81,14 @@ def play() -> Iterator[Callable[[Callable[[], None]], None]]:
         thread.join(10)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[SimCluster]:
+    """A simulated cluster under the repo's Role (a module may define its own `sim`); after
+    the test, no controller error, no request the API server refused as invalid, and none
+    the Role did not allow."""
+    with SimCluster(tmp_path) as cluster:
+        yield cluster
+        assert cluster.errors == []
+        assert cluster.fake.errors == [] and cluster.fake.forbidden == []

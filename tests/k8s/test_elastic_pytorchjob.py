@@ -16,7 +16,6 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +51,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.fixture
-def sim(tmp_path: Path) -> Iterator[SimCluster]:
-    with SimCluster(tmp_path) as cluster:
-        yield cluster
-        assert cluster.errors == []
-        assert cluster.fake.errors == [] and cluster.fake.forbidden == []
+# `sim`: tests/k8s/conftest.py (the repo's Role; no errors, nothing forbidden)
 
 
 def _job(tmp: Path, name: str, dataset: Path) -> TrainJob:

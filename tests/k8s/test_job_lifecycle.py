@@ -18,7 +18,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -178,13 +178,14 @@ def run(
     )
 
 
-def job_requests(fake: FakeK8s) -> list[str]:
-    """The requests on the PyTorchJob API: `POST`, `DELETE`, `GET` (one), `LIST`, `WATCH`."""
+def job_requests(fake: FakeK8s, path: str = JOBS_PATH) -> list[str]:
+    """The requests on a job API (`path`, the PyTorchJobs' by default): `POST`, `DELETE`,
+    `GET` (one), `LIST`, `WATCH`."""
     out = []
     for r in fake.requests:
-        if not r.path.startswith(JOBS_PATH):
+        if not r.path.startswith(path):
             continue
-        if r.method == "GET" and r.path == JOBS_PATH:
+        if r.method == "GET" and r.path == path:
             out.append("WATCH" if r.query.get("watch") else "LIST")
         else:
             out.append(r.method)
@@ -703,12 +704,7 @@ def test_the_step_pod_owns_the_job_and_its_deletion_takes_the_job(
 # a real process whose output is its log.
 
 
-@pytest.fixture
-def sim(tmp_path: Path) -> Iterator[SimCluster]:
-    with SimCluster(tmp_path) as cluster:
-        yield cluster
-        assert cluster.errors == []
-        assert cluster.fake.errors == [] and cluster.fake.forbidden == []
+# `sim`: tests/k8s/conftest.py (the repo's Role; no errors, nothing forbidden)
 
 
 def sim_job(name: str, code: str, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -9,9 +9,7 @@ one, so the pods stay Pending and no process runs; their qosClass is set at crea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -72,11 +70,7 @@ def test_pod_qos(case: Case) -> None:
     assert pod_qos({"spec": spec}) == case.want
 
 
-@pytest.fixture
-def sim(tmp_path: Path) -> Iterator[SimCluster]:
-    with SimCluster(tmp_path) as cluster:
-        yield cluster
-        assert cluster.errors == [] and cluster.fake.errors == [] and cluster.fake.forbidden == []
+# `sim`: tests/k8s/conftest.py (the repo's Role; no errors, nothing forbidden)
 
 
 def wait_pods(sim: SimCluster, n: int, what: str) -> dict[str, dict[str, Any]]:

@@ -15,7 +15,6 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,7 @@ ISVCS = ("serving.kserve.io", "v1beta1", "default", "inferenceservices")
 MODEL_SERVER = Path(__file__).parents[1] / "fakes" / "model_server.py"
 
 
-@pytest.fixture
-def sim(tmp_path: Path) -> Iterator[SimCluster]:
-    with SimCluster(tmp_path) as cluster:
-        yield cluster
-        assert cluster.errors == []
-        assert cluster.fake.errors == []
-        assert cluster.fake.forbidden == []
+# `sim`: tests/k8s/conftest.py (the repo's Role; no errors, nothing forbidden)
 
 
 def container(code: str, **extra: Any) -> dict[str, Any]:

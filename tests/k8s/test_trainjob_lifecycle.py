@@ -38,7 +38,7 @@ from kubellm.backends.kubernetes.client import JobStopped, prepare_body
 from kubellm.backends.kubernetes.trainjob import TrainJobTrainer
 
 from .conftest import POLL_S
-from .test_job_lifecycle import Echo, _alive, until
+from .test_job_lifecycle import Echo, _alive, job_requests, until
 
 REPO = Path(__file__).resolve().parents[2]
 RUNTIME = REPO / "manifests" / "cluster" / "trainer-v2" / "clustertrainingruntime.yaml"
@@ -110,15 +110,7 @@ def pods_added(sim: SimCluster, name: str, rank: int) -> list[str]:
 
 def trainjob_requests(sim: SimCluster) -> list[str]:
     """The step's requests on the TrainJob API: POST, DELETE, GET (one), LIST, WATCH."""
-    out = []
-    for r in sim.fake.requests:
-        if not r.path.startswith(TJ_PATH):
-            continue
-        if r.method == "GET" and r.path == TJ_PATH:
-            out.append("WATCH" if r.query.get("watch") else "LIST")
-        else:
-            out.append(r.method)
-    return out
+    return job_requests(sim.fake, TJ_PATH)
 
 
 def all_gone(sim: SimCluster, name: str) -> None:
