@@ -46,12 +46,13 @@ def run_local(
     pipeline_yaml: str | Path, overrides: dict[str, Any], out: TextIO = sys.stdout
 ) -> int:
     """Run the compiled YAML locally; returns an exit code (0: the pipeline succeeded)."""
-    if overrides.get("platform", "local") != "local":
+    platform = overrides.get("platform", "local")
+    if platform not in ("local", "slurm"):  # slurm: the steps here, training as sbatch jobs
         raise ConfigError(
-            f"invalid platform={overrides['platform']!r}: `run --local` runs platform 'local'; "
+            f"invalid platform={platform!r}: `run --local` runs platform 'local' or 'slurm'; "
             "use `kubellm submit` for a cluster"
         )
-    cfg = pipeline_config(overrides, platform="local")  # every value checked before any stage
+    cfg = pipeline_config(overrides, platform=platform)  # every value checked before any stage
     path = Path(pipeline_yaml)
     if not path.is_file():
         raise ConfigError(f"pipeline {pipeline_yaml} not found (run `kubellm compile`)")
@@ -63,7 +64,7 @@ def run_local(
     log_path = logs / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
     # typed as the pipeline declares them (an int given for a float parameter is a float)
     arguments = {k: getattr(cfg, k) for k in overrides}
-    arguments.update(platform="local", runs_dir=str(runs))
+    arguments.update(platform=platform, runs_dir=str(runs))
     print(f"kubellm: running {path} locally; full log: {log_path}", file=out, flush=True)
     before = set(root.iterdir())
     started = time.monotonic()
