@@ -62,6 +62,16 @@ $(CHECKOV_STAMP):
 .PHONY: checkov
 checkov: $(CHECKOV_STAMP) ## Create .venv-checkov with checkov (pinned; its own venv)
 
+# tests/slurm starts a real Slurm (munged, slurmctld, slurmd on localhost): Debian's packages.
+SLURM_PACKAGES := slurmctld slurmd slurm-client munge
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+.PHONY: slurm-deps
+slurm-deps: ## Install Slurm and munge for tests/slurm (Debian/Ubuntu apt; sudo unless root)
+	@command -v slurmctld >/dev/null || test -x /usr/sbin/slurmctld || { \
+		$(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(SLURM_PACKAGES); }
+
 .PHONY: test
 test: $(STAMP) $(CHECKOV_STAMP) ## Run the full test suite (what CI runs), in two lanes
 ifeq ($(LANES),0)

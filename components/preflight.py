@@ -11,6 +11,8 @@ from kubellm import RUNTIME_IMAGE
 @dsl.component(base_image=RUNTIME_IMAGE, install_kfp_package=False)
 def preflight(
     platform: str,
+    slurm_partition: str,
+    slurm_account: str,
     seed: int,
     data_source: str,
     allow_http_sources: bool,

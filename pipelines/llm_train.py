@@ -108,6 +108,8 @@ class _Cluster:
 
 def llm_train(
     platform: str = _D["platform"],
+    slurm_partition: str = _D["slurm_partition"],
+    slurm_account: str = _D["slurm_account"],
     seed: int = _D["seed"],
     data_source: str = _D["data_source"],
     allow_http_sources: bool = _D["allow_http_sources"],
@@ -222,6 +224,8 @@ def llm_train(
     with dsl.ExitHandler(report, name="run"):
         pre = preflight(
             platform=platform,
+            slurm_partition=slurm_partition,
+            slurm_account=slurm_account,
             seed=seed,
             data_source=data_source,
             allow_http_sources=allow_http_sources,

@@ -26,7 +26,7 @@ class Case:
 BAD = [
     Case(["train_steps=-1"], ["train_steps=-1", "allowed: int >= 1"]),
     Case(["nope=1"], ["unknown parameter 'nope'", "allowed parameters:", "train_steps"]),
-    Case(["platform=slurm"], ["platform='slurm'", "'local', 'kubernetes'"]),
+    Case(["platform=pbs"], ["platform='pbs'", "'local', 'kubernetes', 'slurm'"]),
     Case(["learning_rate=1"], ["learning_rate=1", "< 1"]),
     Case(["model_name=Bad_Name"], ["model_name='Bad_Name'", "matching"]),
     Case(["batch_size=63"], ["batch_size (63)", "divisible"]),

@@ -216,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         "`kubectl apply --dry-run=server -f -` to check it against your cluster's webhooks.",
     )
     rend.add_argument("--run-id", default=None, help="KFP run id to name the objects after")
+    rend.add_argument(
+        "--target",
+        choices=("kubernetes", "slurm"),
+        default="kubernetes",
+        help="kubernetes: the objects (YAML); slurm: the sbatch scripts of platform=slurm",
+    )
     _add_set(rend, "pipeline parameter")
 
     prep = sub.add_parser("prepare", help="prepare_data by hand: build a Dataset directory")
@@ -403,6 +409,11 @@ def _main(argv: list[str]) -> int:
             from kubellm.commands.render import RUN_ID, render
 
             overrides = parse_overrides(args.overrides, PipelineConfig)
+            if args.target == "slurm":
+                from kubellm.commands.render_slurm import render_slurm
+
+                print(render_slurm(overrides, args.run_id or RUN_ID), end="")
+                return 0
             print(render(overrides, args.run_id or RUN_ID), end="")
             return 0
         if args.command == "prepare":

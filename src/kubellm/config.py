@@ -32,7 +32,7 @@ from kubellm import RUNTIME_IMAGE
 
 # -- shared field types ----------------------------------------------------------------------
 
-Platform = Literal["local", "kubernetes"]
+Platform = Literal["local", "kubernetes", "slurm"]
 Strategy = Literal["ddp", "fsdp", "hsdp"]
 Precision = Literal["auto", "fp32", "bf16"]
 DataFormat = Literal["auto", "jsonl", "parquet", "text", "hf"]
@@ -357,7 +357,15 @@ class PipelineConfig(_Strict):
     """The pipeline's parameters. `pipelines/llm_train.py` declares exactly these, same defaults."""
 
     platform: Platform = Field(
-        "kubernetes", description="Where jobs run: 'kubernetes' (cluster) or 'local' (one machine)."
+        "kubernetes",
+        description="Where jobs run: 'kubernetes' (cluster), 'local' (one machine) or 'slurm' "
+        "(training as sbatch jobs from a login node; the other steps on it).",
+    )
+    slurm_partition: str = Field(
+        "", description="Slurm partition of training jobs (platform=slurm); empty: the default."
+    )
+    slurm_account: str = Field(
+        "", description="Slurm account of training jobs (platform=slurm); empty: the default."
     )
     seed: Seed = Field(0, description="Seed for data generation, splits, init and tuning.")
     data_source: str = Field(

@@ -66,6 +66,8 @@ GATE_FIELDS = frozenset(
 OPERATIONAL_FIELDS = frozenset(
     {
         "platform",
+        "slurm_partition",
+        "slurm_account",
         "force",
         "pipeline_version",  # the compiled YAML; the code is kubellm's version, below
         "model_name",

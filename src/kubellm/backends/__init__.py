@@ -3,7 +3,9 @@
 Stages ask for a trainer, a tuner, a server and a workspace; only this module knows that
 `local` means torchrun, optuna, a loopback ModelServer and plain directories, and that
 `kubernetes` means a PyTorchJob (or, with `trainer_backend=trainjob`, a Trainer v2
-TrainJob), a Katib Experiment, an InferenceService and a shared PVC.
+TrainJob), a Katib Experiment, an InferenceService and a shared PVC, and that `slurm` is
+`local` with the training jobs (and so the tuner's trials) sent to Slurm as sbatch jobs from
+the login node the steps run on (runs_dir on a filesystem the compute nodes share).
 The implementations are imported on first use, so a local run never loads the Kubernetes
 SDKs and a cluster step never imports optuna.
 """
@@ -38,7 +40,8 @@ class Backends:
     def __init__(self, cfg: PipelineConfig, kfp_run_id: str) -> None:
         self.cfg = cfg
         self.kfp_run_id = kfp_run_id
-        self.local = cfg.platform == "local"
+        # This machine's files, servers and tracking: `local`, and `slurm` but for training.
+        self.local = cfg.platform != "kubernetes"
 
     @cached_property
     def workspace(self) -> Workspace:
@@ -59,6 +62,11 @@ class Backends:
 
     @cached_property
     def trainer(self) -> Trainer:
+        if self.cfg.platform == "slurm":
+            from kubellm.backends.slurm.script import SlurmSettings
+            from kubellm.backends.slurm.trainer import SlurmTrainer
+
+            return SlurmTrainer(SlurmSettings.from_config(self.cfg, self.kfp_run_id))
         if self.local:
             from kubellm.backends.local.torchrun import TorchrunTrainer
 
@@ -134,8 +142,8 @@ def resolve(cfg: PipelineConfig) -> PipelineConfig:
     is validated)."""
     runs = Path(cfg.runs_dir).expanduser()
     uri = cfg.mlflow_tracking_uri
-    if cfg.platform == "local":
-        if cfg.nproc_follows_gpus:
+    if cfg.platform != "kubernetes":  # local, or slurm from this login node
+        if cfg.platform == "local" and cfg.nproc_follows_gpus:
             from kubellm.backends.local.torchrun import visible_gpus
 
             cfg = cfg.with_local_gpus(visible_gpus())

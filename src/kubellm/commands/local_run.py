@@ -56,12 +56,13 @@ def run_local(
     `span` ({"start", "stop", "inputs"}): run those stages of components/ instead (their
     inputs checked before anything starts). `out`: where a person reads it (stdout)."""
     out = sys.stdout if out is None else out  # at call time: a caller may have replaced it
-    if overrides.get("platform", "local") != "local":
+    platform = overrides.get("platform", "local")
+    if platform not in ("local", "slurm"):  # slurm: the steps here, training as sbatch jobs
         raise ConfigError(
-            f"invalid platform={overrides['platform']!r}: `run --local` runs platform 'local'; "
+            f"invalid platform={platform!r}: `run --local` runs platform 'local' or 'slurm'; "
             "use `kubellm submit` for a cluster"
         )
-    cfg = pipeline_config(overrides, platform="local")  # every value checked before any stage
+    cfg = pipeline_config(overrides, platform=platform)  # every value checked before any stage
     path = Path(pipeline_yaml)
     if span is not None:
         from kubellm.commands.local_stages import check_components, plan
@@ -78,7 +79,7 @@ def run_local(
     log_path = logs / f"run-{time.strftime('%Y%m%d-%H%M%S')}.log"
     # typed as the pipeline declares them (an int given for a float parameter is a float)
     arguments = {k: getattr(cfg, k) for k in overrides}
-    arguments.update(platform="local", runs_dir=str(runs))
+    arguments.update(platform=platform, runs_dir=str(runs))
     what = str(path)
     module = "kubellm.commands.local_run"
     cmd = [sys.executable, "-m", module, str(path), str(root), json.dumps(arguments)]

@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _launch(argv: list[str] | None) -> int:
+    # torchrun's --signals-to-handle (read from PET_SIGNALS_TO_HANDLE) sets
+    # TORCHELASTIC_SIGNALS_TO_HANDLE over ours; without SIGUSR1 in it the agent dies of
+    # Slurm's `--signal=USR1` / `scancel --signal=USR1` instead of passing it on.
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", _HANDLED)
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", _HANDLED)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:

@@ -1,0 +1,242 @@
+"""The Slurm trainer: a training job is an sbatch script (kubellm.backends.slurm.script) sent
+from the login node, where the pipeline's step runs; the step waits for it and streams its
+output file.
+
+- The job's state is `scontrol show job`'s (no slurmdbd needed): JobState, Reason,
+  ExitCode, Restarts. A job the controller has forgotten (past MinJobAge) is read from its
+  output file's last line (`slurm: step exited with N`).
+- A pre-empted job (the agent's exit 200) requeues itself and keeps its id; Slurm holds a
+  requeued batch job until its old job credential expires (AuthInfo cred_expire + 1 s, 121 s
+  by default: slurmd refuses the job before that), then it resumes from its checkpoint.
+- A job that fails raises JobFailed with Slurm's JobState, Reason and ExitCode and the
+  output's last lines; past its timeout, or when the step is stopped (SIGTERM), the job is
+  `scancel`ed (the step then exits 143, as a stopped cluster step does).
+
+Example (on a login node; runs_dir on a filesystem the compute nodes share):
+
+    SlurmTrainer(SlurmSettings(work_dir="/shared/runs/slurm", partition="gpu")).run(
+        TrainJob(name="llm-train", train_args=["--config", "/shared/train.json"], nnodes=2))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+from kubellm.backends.base import JobFailed, JobResult, JobTimeout, Trainer, TrainJob
+from kubellm.backends.slurm.script import (
+    END_MARKER,
+    SlurmSettings,
+    build_sbatch,
+    output_path,
+)
+from kubellm.train.metric_lines import parse_metrics
+
+# Job states after which nothing more happens (squeue(1) JOB STATE CODES).
+TERMINAL = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "TIMEOUT",
+    }
+)
+LOG_TAIL_LINES = 20
+# After the job ends, how long its output file gets to show the script's last line.
+LOG_DRAIN_S = 5.0
+EXIT_STOPPED = 128 + signal.SIGTERM
+POLL_S = 0.5
+
+
+class SlurmJobStopped(SystemExit):
+    """The step was stopped (SIGTERM) while its job ran; the job has been cancelled."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_STOPPED)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Terminated(BaseException):
+    pass
+
+
+def _slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+    if check and out.returncode != 0:
+        raise JobFailed(f"{' '.join(args)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out
+
+
+def job_info(job_id: str) -> dict[str, str] | None:
+    """`scontrol show job -o`'s fields, or None when the controller no longer knows the job."""
+    out = _slurm("scontrol", "show", "job", "-o", job_id, check=False)
+    if out.returncode != 0:
+        if "Invalid job id" in out.stderr:
+            return None
+        raise JobFailed(f"scontrol show job {job_id} failed: {out.stderr.strip()}")
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def cancel(job_id: str) -> str:
+    """`scancel` the job, and say so; a job already gone is no error."""
+    out = _slurm("scancel", job_id, check=False)
+    return f"job {job_id} cancelled" if out.returncode == 0 else out.stderr.strip()
+
+
+class _Follow:
+    """The output file, read as it grows (the job may not have created it yet)."""
+
+    def __init__(self, path: Path, name: str, echo: bool) -> None:
+        self.path, self.name, self.echo = path, name, echo
+        self.text = ""
+        self._pos = 0
+        self._partial = ""
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, errors="replace") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+                self._pos = f.tell()
+        except FileNotFoundError:
+            return
+        if not chunk:
+            return
+        self.text += chunk
+        lines = (self._partial + chunk).split("\n")
+        self._partial = lines.pop()
+        if self.echo:
+            for line in lines:
+                if "OMP_NUM_THREADS" not in line and "*****" not in line:
+                    print(f"[{self.name}] {line}", flush=True)
+
+    def tail(self, n: int = LOG_TAIL_LINES) -> str:
+        return "\n".join(self.text.rstrip("\n").splitlines()[-n:])
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While active, the first SIGTERM raises _Terminated in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _drain(log: _Follow, wait_s: float = LOG_DRAIN_S) -> None:
+    """Read the output file to the script's last line: on a shared filesystem the job's
+    end can be seen before the file's last writes (a cancelled job never writes it)."""
+    deadline = time.monotonic() + wait_s
+    log.poll()
+    while END_MARKER not in log.text and time.monotonic() < deadline:
+        time.sleep(0.2)
+        log.poll()
+
+
+class SlurmTrainer(Trainer):
+    """Runs a TrainJob as an sbatch job and waits for it (see the module docstring)."""
+
+    def __init__(self, settings: SlurmSettings | None = None, echo: bool = True) -> None:
+        self.settings = settings or SlurmSettings()
+        self.echo = echo
+        self.job_id: str | None = None  # the job being waited for (tests signal it)
+
+    def submit(self, job: TrainJob) -> tuple[str, Path]:
+        """Write the script and sbatch it; returns the job id and its output file."""
+        work = Path(self.settings.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        script = work / f"{job.name}.sbatch"
+        script.write_text(build_sbatch(job, self.settings))
+        out = _slurm("sbatch", "--parsable", str(script))
+        job_id = out.stdout.strip().split(";")[0]
+        if not job_id.isdigit():
+            raise JobFailed(f"{job.name}: sbatch answered {out.stdout.strip()!r}")
+        return job_id, Path(output_path(self.settings, job).replace("%j", job_id))
+
+    def run(self, job: TrainJob) -> JobResult:
+        with _sigterm_raises():
+            job_id, log_path = self.submit(job)
+            self.job_id = job_id
+            print(f"[{job.name}] slurm job {job_id}; output {log_path}", flush=True)
+            log = _Follow(log_path, job.name, self.echo)
+            try:
+                info = self._wait(job, job_id, log)
+            except _Terminated:
+                message = f"{job.name}: the step was stopped (SIGTERM); {cancel(job_id)}"
+                print(message, flush=True)
+                raise SlurmJobStopped(message) from None
+            except KeyboardInterrupt:
+                cancel(job_id)
+                raise
+        _drain(log)
+        return self._result(job, job_id, info, log)
+
+    def _wait(self, job: TrainJob, job_id: str, log: _Follow) -> dict[str, str] | None:
+        deadline = time.monotonic() + job.timeout_s
+        while True:
+            log.poll()
+            info = job_info(job_id)
+            if info is None or info.get("JobState") in TERMINAL:
+                return info
+            if time.monotonic() > deadline:
+                fate = cancel(job_id)
+                raise JobTimeout(
+                    f"{job.name}: slurm job {job_id} still {info.get('JobState')} after "
+                    f"{job.timeout_s:.0f}s; {fate}\n{log.tail()}"
+                )
+            time.sleep(POLL_S)
+
+    def _result(
+        self, job: TrainJob, job_id: str, info: dict[str, str] | None, log: _Follow
+    ) -> JobResult:
+        if info is None:  # forgotten by the controller: the script's last line says
+            ended = [ln for ln in log.text.splitlines() if ln.startswith(END_MARKER)]
+            code = int(ended[-1][len(END_MARKER) :]) if ended else None
+            state, reason, exit_code = "unknown (no longer in slurmctld)", "", str(code)
+        else:
+            state, reason = info.get("JobState", "?"), info.get("Reason", "")
+            exit_code = info.get("ExitCode", "")
+            code = int(exit_code.split(":")[0]) if exit_code[:1].isdigit() else None
+        if state == "COMPLETED" or (info is None and code == 0):
+            return JobResult(name=job.name, logs=log.text, metrics=parse_metrics(log.text))
+        why = f"JobState={state} Reason={reason} ExitCode={exit_code}"
+        raise JobFailed(
+            f"{job.name}: slurm job {job_id} failed: {why}; last lines of {log.path}:\n"
+            f"{log.tail()}",
+            code,
+        )
+
+
+def squeue_ids(name: str | None = None) -> list[str]:
+    """Ids of the jobs in squeue (of job name `name`)."""
+    args = ["squeue", "-h", "-o", "%i"]
+    if name:
+        args += ["-n", name]
+    return _slurm(*args).stdout.split()

@@ -1,0 +1,31 @@
+"""`kubellm render --target slurm`: the sbatch scripts a platform=slurm run submits."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from kubellm.cli import main
+
+
+def test_cli_prints_each_stages_script(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    args = ["render", "--target", "slurm", "--set", "gpus_per_node=8", "--set", "num_nodes=2"]
+    args += ["--set", "slurm_partition=gpu", "--set", "slurm_account=team-a"]
+    args += ["--set", "runs_dir=/shared/runs", "--set", "tune_trials=2", "--set", "fabric=rdma-ib"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    headers = [ln for ln in out.splitlines() if ln.startswith("# ---- ")]
+    assert [h.split(":")[0] for h in headers] == ["# ---- preflight", "# ---- tune", "# ---- train"]
+    scripts = out.split("# ---- ")[1:]
+    for script in scripts:
+        for text in ("--nodes=2", "--gres=gpu:8", "--partition=gpu", "--account=team-a"):
+            assert f"#SBATCH {text}" in script, script
+        assert "export NCCL_IB_HCA=mlx5" in script
+        body = script.split("\n", 1)[1]
+        path = tmp_path / "s.sh"
+        path.write_text(body)
+        subprocess.run(["bash", "-n", str(path)], check=True)
+    assert "-m kubellm.train.fabric" in scripts[0]
+    assert "--config /shared/runs/work/0123456789ab/config/train.json" in scripts[2]
+    assert "--output=/shared/runs/slurm/0123456789ab/" in scripts[2]
