@@ -39,6 +39,8 @@ LANE_A = (
     "tests/test_local_run.py",
     # three fresh venvs, installing side by side (minutes; DEVELOPERS.md)
     "tests/test_install.py",
+    # a real Slurm (munged, slurmctld, slurmd) and the pipeline on it (about 6 minutes)
+    "tests/slurm",
 )
 PROGRESS = re.compile(r"\[\s*(\d+)%\]")
 HEARTBEAT_S = 60.0
