@@ -133,3 +133,11 @@ def test_settings_from_the_pipeline_config() -> None:
 def test_a_job_without_nodes_or_processes_is_refused() -> None:
     with pytest.raises(ValueError, match="nnodes and nproc_per_node must be >= 1"):
         build_sbatch(_job(nnodes=0))
+
+
+def test_a_runs_jobs_carry_its_id_as_their_comment() -> None:
+    # what the exit handler finds the run's jobs by (SlurmTrainer.release)
+    settings = SlurmSettings.from_config(PipelineConfig(platform="slurm"), "run-7")
+    assert settings.run_id == "run-7"
+    assert "#SBATCH --comment=kubellm.dev/run=run-7\n" in build_sbatch(_job(), settings)
+    assert "--comment" not in build_sbatch(_job(), SlurmSettings())

@@ -157,3 +157,26 @@ def test_a_job_past_its_timeout_is_cancelled(
     while squeue_ids() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert squeue_ids() == []
+
+
+def test_the_exit_handler_cancels_the_runs_jobs_and_no_others(
+    slurm: SlurmCluster, tiny_dataset: Path, tmp_path: Path
+) -> None:
+    """A step killed without its SIGTERM leaves its job running: the exit handler
+    (Backends.release_run -> SlurmTrainer.release) cancels the run's jobs, by their comment."""
+    cfg = tiny_config(tiny_dataset, tmp_path / "m", steps=100_000, log_every=50)
+    path = write_config(tmp_path / "c.json", cfg)
+    mine = _trainer(tmp_path, run_id="run-a")
+    (tmp_path / "o").mkdir()
+    other = _trainer(tmp_path / "o", run_id="run-b")
+    (a, _), (b, _) = mine.submit(_job(tmp_path, "a", path)), other.submit(_job(tmp_path, "b", path))
+    try:
+        said = mine.release("run-a")
+        assert said == [f"slurm job {a} (a): job {a} cancelled"]
+        deadline = time.monotonic() + 60
+        while a in squeue_ids() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert a not in squeue_ids() and b in squeue_ids()
+        assert mine.release("run-a") == []  # nothing left of that run
+    finally:
+        subprocess.run(["scancel", b], check=False)

@@ -179,7 +179,8 @@ def test_the_html_report_draws_the_training_runs_loss_curve(
     result = chain.results["evaluate"]
     assert f'<span class="badge">{result.decision.upper()}</span>' in page
     for reason in result.reason.split("; "):
-        assert f"<li>{html.escape(reason)}</li>" in page
+        # each check marked with its outcome (evaluate/report.py _check_item)
+        assert f'<span class="mark">&#10003; pass</span> {html.escape(reason)}</li>' in page
     assert "no champion yet" in page  # the chain's first evaluation has none
     # sample generations: the first evaluated prompt, as the candidate answered it
     first = json.loads(chain.artifact("predictions.json").read_text())[0]

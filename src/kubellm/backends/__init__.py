@@ -110,9 +110,12 @@ class Backends:
         has nothing to delete (a 404 on the list).
 
         It runs on a stopped run too, where the steps' own cleanup may have been cut short
-        (kubellm.backends.kubernetes.release). Locally nothing but the servers outlives a
-        step, and `server.release` stops those.
+        (kubellm.backends.kubernetes.release). On Slurm it cancels the run's jobs still in
+        squeue. Locally nothing but the servers outlives a step, and `server.release` stops
+        those.
         """
+        if self.cfg.platform == "slurm":  # the run's jobs still in squeue
+            return self.trainer.release(self.kfp_run_id, "")
         if self.local:
             return []
         ns, run = self.cfg.namespace, self.kfp_run_id

@@ -61,6 +61,7 @@ class SlurmSettings:
     nccl_env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable  # the interpreter of kubellm on the compute nodes
     rdzv_port: int = RDZV_PORT
+    run_id: str = ""  # the pipeline run's: each job's comment, which the exit handler finds
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig, kfp_run_id: str = "") -> SlurmSettings:
@@ -68,6 +69,7 @@ class SlurmSettings:
 
         work = Path(cfg.runs_dir) / "slurm" / (kfp_run_id or "jobs")
         return cls(
+            run_id=kfp_run_id,
             work_dir=str(work),
             gpus_per_node=cfg.gpus_per_node,
             cpus_per_task=math.ceil(quantity(cfg.job_cpu)) if cfg.job_cpu else 0,
@@ -115,6 +117,11 @@ def agent_command(job: TrainJob, settings: SlurmSettings) -> str:
     return f"exec {quoted} {per_node} {train}"
 
 
+def run_comment(run_id: str) -> str:
+    """The comment (`sbatch --comment`, squeue's %k) of every job of pipeline run `run_id`."""
+    return f"kubellm.dev/run={run_id}"
+
+
 def build_sbatch(job: TrainJob, settings: SlurmSettings | None = None) -> str:
     """The sbatch script for `job` (see the module docstring for the mapping)."""
     s = settings or SlurmSettings()
@@ -128,6 +135,8 @@ def build_sbatch(job: TrainJob, settings: SlurmSettings | None = None) -> str:
         f"--nodes={job.nnodes}",
         "--ntasks-per-node=1",
     ]
+    if s.run_id:
+        opts.append(f"--comment={run_comment(s.run_id)}")
     if s.gpus_per_node:
         opts.append(f"--gres=gpu:{s.gpus_per_node}")
     if s.cpus_per_task:

@@ -36,6 +36,7 @@ from kubellm.backends.slurm.script import (
     SlurmSettings,
     build_sbatch,
     output_path,
+    run_comment,
 )
 from kubellm.train.metric_lines import parse_metrics
 
@@ -168,6 +169,13 @@ class SlurmTrainer(Trainer):
         self.echo = echo
         self.job_id: str | None = None  # the job being waited for (tests signal it)
 
+    def release(self, run_tag: str, namespace: str = "") -> list[str]:
+        """The exit handler's cleanup: scancel every job of run `run_tag` still in squeue (a
+        step killed without its SIGTERM leaves its job running); a line each."""
+        if not run_tag:
+            return []
+        return [f"slurm job {i} ({name}): {cancel(i)}" for i, name in run_job_ids(run_tag)]
+
     def submit(self, job: TrainJob) -> tuple[str, Path]:
         """Write the script and sbatch it; returns the job id and its output file."""
         work = Path(self.settings.work_dir)
@@ -232,6 +240,14 @@ class SlurmTrainer(Trainer):
             f"{log.tail()}",
             code,
         )
+
+
+def run_job_ids(run_id: str) -> list[tuple[str, str]]:
+    """(id, name) of the jobs in squeue that pipeline run `run_id` submitted (its comment)."""
+    out = _slurm("squeue", "-h", "-o", "%i|%j|%k").stdout
+    want = run_comment(run_id)
+    rows = [line.split("|", 2) for line in out.splitlines() if line.count("|") >= 2]
+    return [(i, name) for i, name, comment in rows if comment.strip() == want]
 
 
 def squeue_ids(name: str | None = None) -> list[str]:
