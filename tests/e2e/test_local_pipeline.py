@@ -82,8 +82,13 @@ def test_full_pipeline_serves_and_records_lineage(local_run: LocalRun) -> None:
     assert chain["evaluation"]["run"] == children["evaluate"].info.run_id
     assert chain["evaluation"]["gate"] == "promote"
     assert chain["deployment"]["endpoint"].startswith("http://127.0.0.1:")
-    # the version's artifact is on the server (proxied), not on this machine
-    assert text.startswith("kubellm-tiny v1 (challenger, champion): mlflow-artifacts:/"), text
+    # the version comes from the run's logged model, whose artifacts are on the server
+    # (proxied), not on this machine
+    head = "kubellm-tiny v1 (challenger, champion): models:/"
+    assert text.startswith(head), text
+    model_id = text[len(head) :].split()[0]
+    logged = MlflowClient(server.url).get_logged_model(model_id)
+    assert logged.artifact_location.startswith("mlflow-artifacts:/"), logged.artifact_location
     for part in ("data", "tuning", "training", "evaluation", "gate", "deployment"):
         assert f"\n  {part} " in text, (part, text)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
+import sys
 
 import pytest
 
@@ -27,5 +29,26 @@ def test_cli_prints_each_stages_script(capsys: pytest.CaptureFixture[str], tmp_p
         path.write_text(body)
         subprocess.run(["bash", "-n", str(path)], check=True)
     assert "-m kubellm.train.fabric" in scripts[0]
+    # the search: one array job of two trials, each task its own learning rate
+    assert "#SBATCH --array=0-1%1" in scripts[1]
+    rates = re.findall(r"--set learning_rate=(\S+) ", scripts[1])
+    assert len(rates) == 2 and rates[0] != rates[1], scripts[1]
     assert "--config /shared/runs/work/0123456789ab/config/train.json" in scripts[2]
     assert "--output=/shared/runs/slurm/0123456789ab/" in scripts[2]
+
+
+def test_the_readmes_training_script_is_what_render_prints() -> None:
+    """README "Running on a Slurm cluster" shows the train script of its own command line."""
+    from pathlib import Path
+
+    from kubellm.commands.render_slurm import render_slurm
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Running on a Slurm cluster") :]
+    shown = section[section.index("```bash\n#!/bin/bash\n") + len("```bash\n") :]
+    shown = shown[: shown.index("```\n")]
+    python = re.search(r"exec (\S+) -m kubellm.train.agent", shown)[1]
+    overrides = {"gpus_per_node": 8, "num_nodes": 2, "slurm_partition": "gpu"}
+    out = render_slurm({**overrides, "runs_dir": "/shared/kubellm-runs"})
+    train = out[out.index("# ---- train: ") :].split("\n", 1)[1]
+    assert shown == train.replace(f"exec {sys.executable} ", f"exec {python} ")

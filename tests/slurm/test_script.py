@@ -3,6 +3,7 @@ line (table-driven), and the script is valid bash."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ CASES = [
             "#SBATCH --job-name=llm-train",
             "#SBATCH --nodes=1",
             "#SBATCH --ntasks-per-node=1",
-            "#SBATCH --time=60",
+            "#SBATCH --time=65",  # 3600 s + the 300 s grace
             "#SBATCH --signal=USR1@300",
             "#SBATCH --requeue",
             "#SBATCH --open-mode=append",
@@ -55,7 +56,12 @@ CASES = [
     Case("nproc_per_node", job={"nproc_per_node": 8}, present=("--nproc_per_node=8",)),
     Case("max_restarts (torchrun's)", job={"max_restarts": 2}, present=("--max-restarts=2",)),
     Case("module", job={"module": "kubellm.train.fabric"}, present=("-m kubellm.train.fabric",)),
-    Case("timeout rounds up", job={"timeout_s": 61.0}, present=("#SBATCH --time=2",)),
+    Case(
+        "timeout plus grace rounds up",
+        job={"timeout_s": 61.0},
+        settings={"grace_seconds": 60},
+        present=("#SBATCH --time=3",),
+    ),
     Case("gpus_per_node", settings={"gpus_per_node": 8}, present=("#SBATCH --gres=gpu:8",)),
     Case("cpu", settings={"cpus_per_task": 16}, present=("#SBATCH --cpus-per-task=16",)),
     Case("memory", settings={"memory": "24Gi"}, present=("#SBATCH --mem=24576M",)),
@@ -91,6 +97,17 @@ def test_parameter_maps_to_sbatch(case: Case) -> None:
         assert text in script, f"{text!r} not in\n{script}"
     for text in case.absent:
         assert text not in script, f"{text!r} in\n{script}"
+
+
+@pytest.mark.parametrize("timeout_s", [1.0, 10.0, 59.0, 61.0, 299.0, 3600.0, 86400.0])
+@pytest.mark.parametrize("grace", [0, 30, 300, 86400])
+def test_the_signal_never_comes_before_the_timeout(timeout_s: float, grace: int) -> None:
+    """Slurm sends USR1 `N` seconds before `--time`: that must be at or after the step's own
+    timeout, or a short job is signalled as it starts, checkpoints, and requeues."""
+    script = build_sbatch(_job(timeout_s=timeout_s), SlurmSettings(grace_seconds=grace))
+    minutes = int(re.search(r"^#SBATCH --time=(\d+)$", script, re.M)[1])
+    lead = int(re.search(r"^#SBATCH --signal=USR1@(\d+)$", script, re.M)[1])
+    assert minutes * 60 - lead >= timeout_s, (minutes, lead)
 
 
 def test_train_args_are_quoted_inside_the_task_shell(tmp_path: Path) -> None:

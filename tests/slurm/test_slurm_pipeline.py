@@ -52,10 +52,15 @@ def _summary(stdout: str) -> dict[str, str]:
 def test_the_pipeline_on_slurm_equals_the_local_run(slurm: SlurmCluster, tmp_path: Path) -> None:
     tmp_path.chmod(0o755)
     on_slurm, slurm_log = _run(tmp_path, "slurm")
-    jobs = re.findall(r"\[(kubellm-tiny-[a-z]+-\w+(?:-trial-\d+)?)\] slurm job (\d+)", slurm_log)
+    jobs = re.findall(
+        r"\[(kubellm-tiny-[a-z]+-\w+(?:-trial-\d+)?)\] slurm job (\d+(?:_\d+)?);", slurm_log
+    )
     kinds = [re.sub(r"kubellm-tiny-([a-z]+)-.*?(-trial-\d+)?$", r"\1\2", n) for n, _ in jobs]
     # the log shows trials by name; preflight's fabric check, both trials and training
     assert kinds == ["fabric", "tune-trial-0", "tune-trial-1", "train"], jobs
+    # the trials are tasks 0 and 1 of one array job
+    (array,) = {i.split("_")[0] for _, i in jobs[1:3]}
+    assert [i for _, i in jobs[1:3]] == [f"{array}_0", f"{array}_1"], jobs
     local, local_log = _run(tmp_path, "local")
     assert "slurm job" not in local_log
     a, b = _summary(on_slurm), _summary(local)

@@ -4,8 +4,9 @@ Stages ask for a trainer, a tuner, a server and a workspace; only this module kn
 `local` means torchrun, optuna, a loopback ModelServer and plain directories, and that
 `kubernetes` means a PyTorchJob (or, with `trainer_backend=trainjob`, a Trainer v2
 TrainJob), a Katib Experiment, an InferenceService and a shared PVC, and that `slurm` is
-`local` with the training jobs (and so the tuner's trials) sent to Slurm as sbatch jobs from
-the login node the steps run on (runs_dir on a filesystem the compute nodes share).
+`local` with the training jobs sent to Slurm as sbatch jobs, and a search's trials as one
+array job, from the login node the steps run on (runs_dir on a filesystem the compute nodes
+share).
 The implementations are imported on first use, so a local run never loads the Kubernetes
 SDKs and a cluster step never imports optuna.
 """
@@ -81,6 +82,11 @@ class Backends:
 
     @cached_property
     def tuner(self) -> Tuner:
+        if self.cfg.platform == "slurm":  # the trials as one array job
+            from kubellm.backends.slurm.script import SlurmSettings
+            from kubellm.backends.slurm.tuner import SlurmTuner
+
+            return SlurmTuner(SlurmSettings.from_config(self.cfg, self.kfp_run_id))
         if self.local:
             from kubellm.backends.local.optuna_tuner import OptunaTuner
 

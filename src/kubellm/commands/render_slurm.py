@@ -6,8 +6,8 @@ the Slurm trainer sends (`build_sbatch`), so what is printed is what runs:
     kubellm render --target slurm --set gpus_per_node=8 --set num_nodes=2 \\
         --set slurm_partition=gpu --set runs_dir=/shared/kubellm-runs
 
-Tuning trials are the `tune` script with each trial's `--set name=value` appended to the
-training arguments (one job per trial, as the local tuner runs them).
+The `tune` script is the search as one array job: the trials the run's seed samples, each
+task's training arguments with its trial's `--set name=value` (kubellm.backends.slurm.tuner).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from kubellm.backends import resolve
 from kubellm.backends.slurm.script import SlurmSettings, build_sbatch
+from kubellm.backends.slurm.tuner import plan as array_plan
 from kubellm.commands.render import RUN_ID
 from kubellm.config import pipeline_config
 from kubellm.stages.context import JobPlan
@@ -30,11 +31,10 @@ def render_slurm(overrides: dict[str, Any], kfp_run_id: str = RUN_ID) -> str:
     plan = JobPlan(cfg, kfp_run_id, None)
     settings = SlurmSettings.from_config(cfg, kfp_run_id)
     config_dir = Path(cfg.runs_dir) / "work" / kfp_run_id / "config"  # LocalWorkspace's
-    jobs = [("preflight", fabric_job(plan))]
+    fabric, train = fabric_job(plan), plan.train_job("train", config_dir / "train.json")
+    scripts = [("preflight", fabric.name, build_sbatch(fabric, settings))]
     if cfg.tune_trials:
-        trial = plan.train_job("tune", config_dir / "tune.json")
-        jobs.append(("tune", tune_request(cfg, trial).trial_job))
-    jobs.append(("train", plan.train_job("train", config_dir / "train.json")))
-    return "".join(
-        f"# ---- {stage}: {job.name}.sbatch\n{build_sbatch(job, settings)}" for stage, job in jobs
-    )
+        request = tune_request(cfg, plan.train_job("tune", config_dir / "tune.json"))
+        scripts.append(("tune", request.name, array_plan(request, settings).script))
+    scripts.append(("train", train.name, build_sbatch(train, settings)))
+    return "".join(f"# ---- {stage}: {name}.sbatch\n{text}" for stage, name, text in scripts)

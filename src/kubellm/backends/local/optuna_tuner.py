@@ -26,25 +26,12 @@ class OptunaTuner(Tuner):
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study = optuna.create_study(direction=request.goal, sampler=sampler(request))
         trials: list[Trial] = []
-        max_failed = (
-            request.max_trials - 1
-            if request.max_failed_trials is None
-            else request.max_failed_trials
-        )
+        max_failed = max_failed_trials(request)
 
         def objective(ot: optuna.Trial) -> float:
-            params: dict[str, float] = {}
-            for p in request.space:
-                if p.kind == "int":
-                    params[p.name] = ot.suggest_int(p.name, int(p.low), int(p.high), log=p.log)
-                else:
-                    params[p.name] = ot.suggest_float(p.name, p.low, p.high, log=p.log)
-            name = f"{request.name}-trial-{ot.number}"
-            job: TrainJob = dataclasses.replace(
-                request.trial_job,
-                name=name,
-                train_args=trial_args(request.trial_job.train_args, params, request.space),
-            )
+            params = suggest(ot, request)
+            job = trial_job(request, ot.number, params)
+            name = job.name
             try:
                 result = self.trainer.run(job)
             except JobFailed as err:
@@ -63,19 +50,53 @@ class OptunaTuner(Tuner):
             return value
 
         study.optimize(objective, n_trials=request.max_trials, timeout=request.timeout_s)
-        done = [t for t in trials if t.value is not None]
-        if not done:
-            raise JobFailed(f"{request.name}: all {len(trials)} trials failed")
-        failed = len(trials) - len(done)
-        if failed > max_failed:
-            raise JobFailed(
-                f"{request.name}: {failed} of {len(trials)} trials failed "
-                f"(more than max_failed_trials={max_failed})"
-            )
-        sign = 1.0 if request.goal == "minimize" else -1.0
-        best = min(done, key=lambda t: sign * (t.value or 0.0))
-        assert best.value is not None
-        return TuneResult(best.params, best.value, best.name, trials)
+        return tune_result(request, trials)
+
+
+def max_failed_trials(request: TuneRequest) -> int:
+    """How many trials may fail before the search does (Katib's maxFailedTrialCount)."""
+    if request.max_failed_trials is None:
+        return request.max_trials - 1
+    return request.max_failed_trials
+
+
+def suggest(ot: optuna.Trial, request: TuneRequest) -> dict[str, float]:
+    """Trial `ot`'s value of each parameter of the search space."""
+    params: dict[str, float] = {}
+    for p in request.space:
+        if p.kind == "int":
+            params[p.name] = ot.suggest_int(p.name, int(p.low), int(p.high), log=p.log)
+        else:
+            params[p.name] = ot.suggest_float(p.name, p.low, p.high, log=p.log)
+    return params
+
+
+def trial_job(request: TuneRequest, number: int, params: dict[str, float]) -> TrainJob:
+    """Trial `number`'s training job: the template with one `--set` per parameter."""
+    return dataclasses.replace(
+        request.trial_job,
+        name=f"{request.name}-trial-{number}",
+        train_args=trial_args(request.trial_job.train_args, params, request.space),
+    )
+
+
+def tune_result(request: TuneRequest, trials: list[Trial]) -> TuneResult:
+    """The best of `trials`, or JobFailed when none succeeded or more than
+    max_failed_trials failed (as Katib fails the Experiment)."""
+    done = [t for t in trials if t.value is not None]
+    if not done:
+        raise JobFailed(f"{request.name}: all {len(trials)} trials failed")
+    failed = len(trials) - len(done)
+    limit = max_failed_trials(request)
+    if failed > limit:
+        raise JobFailed(
+            f"{request.name}: {failed} of {len(trials)} trials failed "
+            f"(more than max_failed_trials={limit})"
+        )
+    sign = 1.0 if request.goal == "minimize" else -1.0
+    best = min(done, key=lambda t: sign * (t.value or 0.0))
+    assert best.value is not None
+    return TuneResult(best.params, best.value, best.name, trials)
 
 
 def sampler(request: TuneRequest) -> optuna.samplers.BaseSampler:

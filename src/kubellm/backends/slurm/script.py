@@ -9,11 +9,12 @@ the allocation. Slurm fills in what the Training Operator fills in on Kubernetes
 | Master + Workers (num_nodes pods) | `--nodes=N --ntasks-per-node=1` |
 | nvidia.com/gpu limit | `--gres=gpu:N` |
 | cpu, memory requests | `--cpus-per-task`, `--mem` |
-| activeDeadlineSeconds | `--time` (minutes, rounded up) |
+| activeDeadlineSeconds | `--time`: timeout + grace, minutes rounded up (USR1 at the timeout) |
 | terminationGracePeriodSeconds (SIGTERM, then KILL) | `--signal=USR1@grace` (to the steps) |
 | restartPolicy ExitCode (200 retried) | exit 200 -> `scontrol requeue`, at most max_requeues |
 | PET_MASTER_ADDR | the first host of `scontrol show hostnames $SLURM_JOB_NODELIST` |
 | PET_NODE_RANK | `$SLURM_NODEID`, expanded in each task (not in the batch shell) |
+| Katib trials, parallelTrialCount | one `--array=0-N%parallel` job; the index picks the trial |
 
 Example (what `kubellm render --target slurm` prints):
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import math
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,13 +89,22 @@ def memory_mb(text: str) -> int:
     return math.ceil(quantity(text) / 2**20)
 
 
-def time_minutes(timeout_s: float) -> int:
-    return max(1, math.ceil(timeout_s / 60))
+def signal_seconds(settings: SlurmSettings) -> int:
+    """How long before its time limit Slurm signals the steps (`--signal=USR1@N`)."""
+    return max(0, min(settings.grace_seconds, MAX_SIGNAL_TIME))
 
 
-def output_path(settings: SlurmSettings, job: TrainJob) -> str:
-    """The job's output file (%j: the job id); appended to across requeues."""
-    return str(Path(settings.work_dir) / f"{job.name}-%j.out")
+def time_minutes(timeout_s: float, settings: SlurmSettings) -> int:
+    """The job's `--time`: its timeout plus the signal's lead, rounded up to minutes, so that
+    USR1 never comes before the timeout (a 1-minute limit with a 300 s lead would signal the
+    steps as they start, and they would checkpoint and requeue at once)."""
+    return max(1, math.ceil((timeout_s + signal_seconds(settings)) / 60))
+
+
+def output_path(settings: SlurmSettings, job: TrainJob, array: bool = False) -> str:
+    """The job's output file (%j: the job id; an array's task: %A_%a, the array's id and the
+    task's index); appended to across requeues."""
+    return str(Path(settings.work_dir) / f"{job.name}-{'%A_%a' if array else '%j'}.out")
 
 
 def agent_command(job: TrainJob, settings: SlurmSettings) -> str:
@@ -117,24 +128,51 @@ def agent_command(job: TrainJob, settings: SlurmSettings) -> str:
     return f"exec {quoted} {per_node} {train}"
 
 
+def _srun_lines(job: TrainJob, s: SlurmSettings, trials: Sequence[TrainJob]) -> list[str]:
+    """The step: one srun of the agent, or, in an array, a `case` on the task index."""
+    if not trials:
+        return [f"srun --ntasks-per-node=1 bash -c {shlex.quote(agent_command(job, s))}"]
+    lines = ['case "$SLURM_ARRAY_TASK_ID" in']
+    for i, trial in enumerate(trials):
+        lines += [
+            f"  {i})  # {trial.name}",
+            f"    srun --ntasks-per-node=1 bash -c {shlex.quote(agent_command(trial, s))} ;;",
+        ]
+    lines += ['  *) echo "slurm: no trial $SLURM_ARRAY_TASK_ID in this array"; false ;;', "esac"]
+    return lines
+
+
 def run_comment(run_id: str) -> str:
     """The comment (`sbatch --comment`, squeue's %k) of every job of pipeline run `run_id`."""
     return f"kubellm.dev/run={run_id}"
 
 
-def build_sbatch(job: TrainJob, settings: SlurmSettings | None = None) -> str:
-    """The sbatch script for `job` (see the module docstring for the mapping)."""
+def build_sbatch(
+    job: TrainJob,
+    settings: SlurmSettings | None = None,
+    trials: Sequence[TrainJob] = (),
+    parallel: int = 1,
+) -> str:
+    """The sbatch script for `job` (see the module docstring for the mapping).
+
+    With `trials` it is one array job (`--array=0-N%parallel`, at most `parallel` tasks at a
+    time) of `job`'s resources whose task index picks the trial: task i runs `trials[i]`'s
+    module and arguments, rendezvous on port rdzv_port + i (tasks may share a node)."""
     s = settings or SlurmSettings()
     if job.nnodes < 1 or job.nproc_per_node < 1:
         raise ValueError(
             f"TrainJob {job.name!r}: nnodes and nproc_per_node must be >= 1, "
             f"got {job.nnodes} and {job.nproc_per_node}"
         )
+    if trials and parallel < 1:
+        raise ValueError(f"array job {job.name!r}: parallel must be >= 1, got {parallel}")
     opts = [
         f"--job-name={job.name}",
         f"--nodes={job.nnodes}",
         "--ntasks-per-node=1",
     ]
+    if trials:
+        opts.append(f"--array=0-{len(trials) - 1}%{parallel}")
     if s.run_id:
         opts.append(f"--comment={run_comment(s.run_id)}")
     if s.gpus_per_node:
@@ -144,12 +182,12 @@ def build_sbatch(job: TrainJob, settings: SlurmSettings | None = None) -> str:
     if s.memory:
         opts.append(f"--mem={memory_mb(s.memory)}M")
     opts += [
-        f"--time={time_minutes(job.timeout_s)}",
+        f"--time={time_minutes(job.timeout_s, s)}",
         # no B: prefix: the signal goes to the steps (the agents), not to the batch shell
-        f"--signal=USR1@{min(s.grace_seconds, MAX_SIGNAL_TIME)}",
+        f"--signal=USR1@{signal_seconds(s)}",
         "--requeue",
         "--open-mode=append",
-        f"--output={output_path(s, job)}",
+        f"--output={output_path(s, job, array=bool(trials))}",
     ]
     if s.partition:
         opts.append(f"--partition={s.partition}")
@@ -160,14 +198,18 @@ def build_sbatch(job: TrainJob, settings: SlurmSettings | None = None) -> str:
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     lines += [
         'export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
-        f"export MASTER_PORT={s.rdzv_port}",
+        (
+            f"export MASTER_PORT=$(({s.rdzv_port} + SLURM_ARRAY_TASK_ID))"
+            if trials
+            else f"export MASTER_PORT={s.rdzv_port}"
+        ),
         "restarts=${SLURM_RESTART_COUNT:-0}",
         'echo "slurm: job $SLURM_JOB_ID (restart $restarts) on $SLURM_JOB_NODELIST, '
         'master $MASTER_ADDR:$MASTER_PORT"',
         # A signal meant for the steps that reaches this shell too must not end it: the
         # steps checkpoint and their exit code decides (a trapped signal is reset in srun).
         "trap 'echo \"slurm: batch shell got SIGUSR1\"' USR1",
-        f"srun --ntasks-per-node=1 bash -c {shlex.quote(agent_command(job, s))}",
+        *_srun_lines(job, s, trials),
         "rc=$?",
         # --requeue alone requeues on node failure and pre-emption by Slurm, not on an
         # exit code: a checkpointed stop asks for it itself.

@@ -72,7 +72,7 @@ class SlurmJobStopped(SystemExit):
         return self.message
 
 
-class _Terminated(BaseException):
+class Terminated(BaseException):
     pass
 
 
@@ -83,14 +83,31 @@ def _slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return out
 
 
-def job_info(job_id: str) -> dict[str, str] | None:
-    """`scontrol show job -o`'s fields, or None when the controller no longer knows the job."""
+def sbatch(path: Path, script: str) -> str:
+    """Write `script` to `path` and submit it; the job's id."""
+    path.write_text(script)
+    out = _slurm("sbatch", "--parsable", str(path))
+    job_id = out.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise JobFailed(f"{path.name}: sbatch answered {out.stdout.strip()!r}")
+    return job_id
+
+
+def job_records(job_id: str) -> list[dict[str, str]]:
+    """`scontrol show job -o`'s records of `job_id` (an array's: one per task, and one for
+    its pending tasks, `ArrayTaskId=2-4%1`); none when the controller no longer knows it."""
     out = _slurm("scontrol", "show", "job", "-o", job_id, check=False)
     if out.returncode != 0:
         if "Invalid job id" in out.stderr:
-            return None
+            return []
         raise JobFailed(f"scontrol show job {job_id} failed: {out.stderr.strip()}")
-    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+    return [dict(re.findall(r"(\w+)=(\S*)", ln)) for ln in out.stdout.splitlines() if ln.strip()]
+
+
+def job_info(job_id: str) -> dict[str, str] | None:
+    """`scontrol show job -o`'s fields, or None when the controller no longer knows the job."""
+    records = job_records(job_id)
+    return records[0] if records else None
 
 
 def cancel(job_id: str) -> str:
@@ -99,7 +116,7 @@ def cancel(job_id: str) -> str:
     return f"job {job_id} cancelled" if out.returncode == 0 else out.stderr.strip()
 
 
-class _Follow:
+class Follow:
     """The output file, read as it grows (the job may not have created it yet)."""
 
     def __init__(self, path: Path, name: str, echo: bool) -> None:
@@ -131,8 +148,8 @@ class _Follow:
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While active, the first SIGTERM raises _Terminated in the main thread."""
+def sigterm_raises() -> Iterator[None]:
+    """While active, the first SIGTERM raises Terminated in the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -142,7 +159,7 @@ def _sigterm_raises() -> Iterator[None]:
         nonlocal fired
         if not fired:
             fired = True
-            raise _Terminated()
+            raise Terminated()
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -151,7 +168,22 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
-def _drain(log: _Follow, wait_s: float = LOG_DRAIN_S) -> None:
+@contextlib.contextmanager
+def cancel_when_stopped(name: str, job_id: str) -> Iterator[None]:
+    """Around the wait for `job_id` (inside sigterm_raises): SIGTERM or ^C `scancel`s the
+    job; SIGTERM then ends the step with SlurmJobStopped (exit 143)."""
+    try:
+        yield
+    except Terminated:
+        message = f"{name}: the step was stopped (SIGTERM); {cancel(job_id)}"
+        print(message, flush=True)
+        raise SlurmJobStopped(message) from None
+    except KeyboardInterrupt:
+        cancel(job_id)
+        raise
+
+
+def drain(log: Follow, wait_s: float = LOG_DRAIN_S) -> None:
     """Read the output file to the script's last line: on a shared filesystem the job's
     end can be seen before the file's last writes (a cancelled job never writes it)."""
     deadline = time.monotonic() + wait_s
@@ -180,33 +212,21 @@ class SlurmTrainer(Trainer):
         """Write the script and sbatch it; returns the job id and its output file."""
         work = Path(self.settings.work_dir)
         work.mkdir(parents=True, exist_ok=True)
-        script = work / f"{job.name}.sbatch"
-        script.write_text(build_sbatch(job, self.settings))
-        out = _slurm("sbatch", "--parsable", str(script))
-        job_id = out.stdout.strip().split(";")[0]
-        if not job_id.isdigit():
-            raise JobFailed(f"{job.name}: sbatch answered {out.stdout.strip()!r}")
+        job_id = sbatch(work / f"{job.name}.sbatch", build_sbatch(job, self.settings))
         return job_id, Path(output_path(self.settings, job).replace("%j", job_id))
 
     def run(self, job: TrainJob) -> JobResult:
-        with _sigterm_raises():
+        with sigterm_raises():
             job_id, log_path = self.submit(job)
             self.job_id = job_id
             print(f"[{job.name}] slurm job {job_id}; output {log_path}", flush=True)
-            log = _Follow(log_path, job.name, self.echo)
-            try:
+            log = Follow(log_path, job.name, self.echo)
+            with cancel_when_stopped(job.name, job_id):
                 info = self._wait(job, job_id, log)
-            except _Terminated:
-                message = f"{job.name}: the step was stopped (SIGTERM); {cancel(job_id)}"
-                print(message, flush=True)
-                raise SlurmJobStopped(message) from None
-            except KeyboardInterrupt:
-                cancel(job_id)
-                raise
-        _drain(log)
-        return self._result(job, job_id, info, log)
+        drain(log)
+        return job_result(job, job_id, info, log)
 
-    def _wait(self, job: TrainJob, job_id: str, log: _Follow) -> dict[str, str] | None:
+    def _wait(self, job: TrainJob, job_id: str, log: Follow) -> dict[str, str] | None:
         deadline = time.monotonic() + job.timeout_s
         while True:
             log.poll()
@@ -221,33 +241,36 @@ class SlurmTrainer(Trainer):
                 )
             time.sleep(POLL_S)
 
-    def _result(
-        self, job: TrainJob, job_id: str, info: dict[str, str] | None, log: _Follow
-    ) -> JobResult:
-        if info is None:  # forgotten by the controller: the script's last line says
-            ended = [ln for ln in log.text.splitlines() if ln.startswith(END_MARKER)]
-            code = int(ended[-1][len(END_MARKER) :]) if ended else None
-            state, reason, exit_code = "unknown (no longer in slurmctld)", "", str(code)
-        else:
-            state, reason = info.get("JobState", "?"), info.get("Reason", "")
-            exit_code = info.get("ExitCode", "")
-            code = int(exit_code.split(":")[0]) if exit_code[:1].isdigit() else None
-        if state == "COMPLETED" or (info is None and code == 0):
-            return JobResult(name=job.name, logs=log.text, metrics=parse_metrics(log.text))
-        why = f"JobState={state} Reason={reason} ExitCode={exit_code}"
-        raise JobFailed(
-            f"{job.name}: slurm job {job_id} failed: {why}; last lines of {log.path}:\n"
-            f"{log.tail()}",
-            code,
-        )
+
+def job_result(job: TrainJob, job_id: str, info: dict[str, str] | None, log: Follow) -> JobResult:
+    """The ended job's result (its metric lines), or JobFailed with Slurm's JobState, Reason
+    and ExitCode and the output's last lines. `info` None: the controller has forgotten the
+    job, and the script's last line says how its step ended."""
+    if info is None:  # forgotten by the controller: the script's last line says
+        ended = [ln for ln in log.text.splitlines() if ln.startswith(END_MARKER)]
+        code = int(ended[-1][len(END_MARKER) :]) if ended else None
+        state, reason, exit_code = "unknown (no longer in slurmctld)", "", str(code)
+    else:
+        state, reason = info.get("JobState", "?"), info.get("Reason", "")
+        exit_code = info.get("ExitCode", "")
+        code = int(exit_code.split(":")[0]) if exit_code[:1].isdigit() else None
+    if state == "COMPLETED" or (info is None and code == 0):
+        return JobResult(name=job.name, logs=log.text, metrics=parse_metrics(log.text))
+    why = f"JobState={state} Reason={reason} ExitCode={exit_code}"
+    raise JobFailed(
+        f"{job.name}: slurm job {job_id} failed: {why}; last lines of {log.path}:\n{log.tail()}",
+        code,
+    )
 
 
 def run_job_ids(run_id: str) -> list[tuple[str, str]]:
-    """(id, name) of the jobs in squeue that pipeline run `run_id` submitted (its comment)."""
-    out = _slurm("squeue", "-h", "-o", "%i|%j|%k").stdout
+    """(id, name) of the jobs in squeue that pipeline run `run_id` submitted (its comment);
+    an array job once, by its array id (%F; a plain job's is its id)."""
+    out = _slurm("squeue", "-h", "-o", "%F|%j|%k").stdout
     want = run_comment(run_id)
     rows = [line.split("|", 2) for line in out.splitlines() if line.count("|") >= 2]
-    return [(i, name) for i, name, comment in rows if comment.strip() == want]
+    mine = [(i, name) for i, name, comment in rows if comment.strip() == want]
+    return list(dict.fromkeys(mine))
 
 
 def squeue_ids(name: str | None = None) -> list[str]:
