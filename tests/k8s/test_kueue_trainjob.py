@@ -127,6 +127,19 @@ def complete(sim: SimCluster, name: str, timeout_s: float = 30) -> dict[str, Any
     )
 
 
+def finished(sim: SimCluster, name: str, timeout_s: float = 10) -> dict[str, Any]:
+    """TrainJob `name`'s Workload once Kueue has finished it: its reconcile follows the
+    TrainJob's Complete condition, not within the same update."""
+    return sim.wait_for(
+        lambda: (
+            condition(workload_of(sim, name), "Finished").get("status") == "True"
+            and workload_of(sim, name)
+        ),
+        timeout_s,
+        f"TrainJob {name}'s Workload Finished",
+    )
+
+
 def kueue_patch(tj: dict[str, Any]) -> dict[str, Any]:
     (patch,) = [p for p in tj["spec"]["runtimePatches"] if p["manager"] == RUNTIME_PATCH_MANAGER]
     return dict(patch)
@@ -161,6 +174,7 @@ def test_a_trainjob_that_fits_is_one_workload_admitted_whole_and_runs(tmp_path: 
         assert not (created["spec"]["runtimePatches"][1]["trainingRuntimeSpec"]["template"]["spec"])
 
         done = complete(sim, "llm-train")
+        finished(sim, "llm-train")
         (workload,) = workloads(sim)  # the JobSet, its Job and pods are no Workloads
         name = workload["metadata"]["name"]
         assert (
@@ -332,13 +346,8 @@ def test_two_trainjobs_competing_for_the_quota_run_one_after_the_other(tmp_path:
             assert seconds_pods == [], "second's pods created while first runs"
             assert time.monotonic() < deadline, "first not Complete within 30s"
             time.sleep(0.02)
-        first_done = sim.wait_for(
-            lambda: condition(workload_of(sim, "first"), "Finished").get("status") == "True",
-            10,
-            "first's Workload Finished",
-        )
-        assert first_done
+        finished(sim, "first")
         complete(sim, "second")
-        second = workload_of(sim, "second")
+        second = finished(sim, "second")
         assert condition(second, "Admitted")["status"] == "True"
         assert condition(second, "Finished")["status"] == "True"
