@@ -133,7 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         "SubprocessRunner, torchrun for training, optuna for tuning, a loopback KServe "
         "ModelServer, MLflow on sqlite under --runs-dir.",
     )
-    run.add_argument("--local", action="store_true", required=True, help="run on this machine")
+    run.add_argument(
+        "--local",
+        action="store_true",
+        required=True,
+        help="run the steps on this machine (platform=local; platform=slurm sends the "
+        "training jobs to Slurm from this login node)",
+    )
     run.add_argument("--pipeline", default=DEFAULT_PIPELINE, help="compiled pipeline YAML")
     run.add_argument(
         "--from",

@@ -116,28 +116,24 @@ def pods_of(sim: SimCluster, name: str) -> list[dict[str, Any]]:
     ]
 
 
-def complete(sim: SimCluster, name: str, timeout_s: float = 30) -> dict[str, Any]:
+def _true(sim: SimCluster, read: Any, ctype: str, timeout_s: float, what: str) -> dict[str, Any]:
+    """`read()` once its `ctype` condition is True."""
     return sim.wait_for(
-        lambda: (
-            condition(trainjob(sim, name), "Complete").get("status") == "True"
-            and trainjob(sim, name)
-        ),
-        timeout_s,
-        f"TrainJob {name} Complete",
+        lambda: condition(read(), ctype).get("status") == "True" and read(), timeout_s, what
+    )
+
+
+def complete(sim: SimCluster, name: str, timeout_s: float = 30) -> dict[str, Any]:
+    return _true(
+        sim, lambda: trainjob(sim, name), "Complete", timeout_s, f"TrainJob {name} Complete"
     )
 
 
 def finished(sim: SimCluster, name: str, timeout_s: float = 10) -> dict[str, Any]:
     """TrainJob `name`'s Workload once Kueue has finished it: its reconcile follows the
     TrainJob's Complete condition, not within the same update."""
-    return sim.wait_for(
-        lambda: (
-            condition(workload_of(sim, name), "Finished").get("status") == "True"
-            and workload_of(sim, name)
-        ),
-        timeout_s,
-        f"TrainJob {name}'s Workload Finished",
-    )
+    what = f"TrainJob {name}'s Workload Finished"
+    return _true(sim, lambda: workload_of(sim, name), "Finished", timeout_s, what)
 
 
 def kueue_patch(tj: dict[str, Any]) -> dict[str, Any]:

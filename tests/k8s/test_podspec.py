@@ -16,8 +16,9 @@ import pytest
 from fakes.fake_k8s import FakeK8s
 from kubellm.backends.base import JOB_NAME_MAX, KATIB_NAME_MAX, TrainJob, TuneRequest, dns_name
 from kubellm.backends.kubernetes.katib import build_experiment
-from kubellm.backends.kubernetes.podspec import NCCL_PROFILES, ClusterSettings
+from kubellm.backends.kubernetes.podspec import ClusterSettings
 from kubellm.backends.kubernetes.pytorchjob import pytorchjob_manifest
+from kubellm.backends.nccl import NCCL_PROFILES
 from kubellm.config import ConfigError, pipeline_config
 from kubellm.tune.search import SearchParam
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from kubernetes import client as k8s
 
+from kubellm.backends.nccl import fabric_env
 from kubellm.config import PipelineConfig
 
 # Credentials for an authenticated MLflow server: a Secret the cluster operator creates
@@ -51,20 +52,6 @@ COMPONENT_LABEL = {"kubellm.dev/component": "training"}
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 GPU_RESOURCE = "nvidia.com/gpu"
-
-_RDMA_DEFAULTS = {
-    "NCCL_IB_DISABLE": "0",
-    "NCCL_IB_HCA": "mlx5",
-    "NCCL_SOCKET_IFNAME": "eth0",
-    "NCCL_NET_GDR_LEVEL": "PHB",
-    "NCCL_DEBUG": "INFO",
-    "NCCL_DEBUG_SUBSYS": "INIT,NET",
-}
-NCCL_PROFILES: dict[str, dict[str, str]] = {
-    "tcp": {},
-    "rdma-ib": _RDMA_DEFAULTS,
-    "roce": {**_RDMA_DEFAULTS, "NCCL_IB_GID_INDEX": "3"},
-}
 
 
 def label_value(text: str) -> str:
@@ -131,9 +118,7 @@ class ClusterSettings:
 
     def nccl(self) -> dict[str, str]:
         """The profile's NCCL settings with the run's overrides on top."""
-        if self.fabric not in NCCL_PROFILES:
-            raise ValueError(f"unknown fabric {self.fabric!r}; one of {', '.join(NCCL_PROFILES)}")
-        return {**NCCL_PROFILES[self.fabric], **self.nccl_env}
+        return fabric_env(self.fabric, self.nccl_env)
 
     def labels(self, *, pod: bool = False) -> dict[str, str]:
         """Labels of every job object, or (`pod`) of its pods through templates: the same

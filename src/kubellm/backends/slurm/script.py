@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubellm.backends.base import TrainJob
+from kubellm.backends.nccl import fabric_env
 from kubellm.config import PipelineConfig, quantity
 
 # The agent's exit code for "checkpointed on a signal; run me again" (kubellm.train.preempt;
@@ -67,8 +68,6 @@ class SlurmSettings:
 
     @classmethod
     def from_config(cls, cfg: PipelineConfig, kfp_run_id: str = "") -> SlurmSettings:
-        from kubellm.backends.kubernetes.podspec import NCCL_PROFILES
-
         work = Path(cfg.runs_dir) / "slurm" / (kfp_run_id or "jobs")
         return cls(
             run_id=kfp_run_id,
@@ -80,7 +79,7 @@ class SlurmSettings:
             partition=cfg.slurm_partition,
             account=cfg.slurm_account,
             max_requeues=cfg.job_max_restarts,
-            nccl_env={**NCCL_PROFILES.get(cfg.fabric, {}), **cfg.nccl_env},
+            nccl_env=fabric_env(cfg.fabric, cfg.nccl_env),
         )
 
 
