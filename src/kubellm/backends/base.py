@@ -10,12 +10,17 @@ with the reason, and nothing waits past its timeout.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import signal
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 from kubellm.serve.client import Endpoint
@@ -29,6 +34,38 @@ def workspace_mount() -> str:
     """WORKSPACE_MOUNT, or $KUBELLM_WORKSPACE_MOUNT: the simulated cluster in tests/fakes maps
     the PVC to a local directory, and steps and job pods must agree on its path."""
     return os.environ.get("KUBELLM_WORKSPACE_MOUNT") or WORKSPACE_MOUNT
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while a step waited for its job (a BaseException: no `except
+    Exception` eats it)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While active, SIGTERM raises Terminated in the main thread; the old handler returns
+    afterwards. Outside the main thread (where Python cannot handle signals) it does nothing.
+
+    Only the first SIGTERM raises: a second one, while the job is being deleted or
+    cancelled, must not cut that short. The trainers that wait for a job elsewhere
+    (a PyTorchJob or TrainJob, a Slurm job) stop it on Terminated.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = False
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 class JobFailed(RuntimeError):

@@ -28,7 +28,6 @@ for `create_or_replace`, on InferenceServices only).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -39,7 +38,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any, Literal
 
 import urllib3
@@ -49,7 +47,7 @@ from kubernetes import watch as k8s_watch
 from kubernetes.client.rest import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from kubellm.backends.base import JobFailed, JobTimeout
+from kubellm.backends.base import JobFailed, JobTimeout, Terminated, sigterm_raises
 from kubellm.backends.kubernetes.pod_logs import PodLogs
 from kubellm.backends.kubernetes.podspec import ClusterSettings
 from kubellm.backends.kubernetes.responses import (
@@ -439,36 +437,6 @@ class _Verdict:
     why: str = ""
 
 
-class _Terminated(BaseException):
-    """SIGTERM arrived while `run` was active (a BaseException: no `except Exception` eats it)."""
-
-
-@contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """While active, SIGTERM raises _Terminated in the main thread; the old handler returns
-    afterwards. Outside the main thread (where Python cannot handle signals) it does nothing.
-
-    Only the first SIGTERM raises: a second one, while the job is being deleted, must not
-    cut that deletion short.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    fired = False
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal fired
-        if not fired:
-            fired = True
-            raise _Terminated()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
 class KubeClient:
     """The few API calls the launchers need, with the failure semantics of kubellm.backends.base.
 
@@ -703,7 +671,7 @@ class KubeClient:
         body = prepare_body(body, namespace)
         logs: PodLogs | None = None
         watcher: _PodWatcher | None = None
-        with _sigterm_raises():
+        with sigterm_raises():
             try:
                 obj, adopted = self._start(
                     res, namespace, body, done, failure, describe, clock.at, say, replace_terminal
@@ -738,7 +706,7 @@ class KubeClient:
                     return RunOutcome(verdict.obj, text, adopted, error)
                 tail = logs.tail(LOG_TAIL_LINES) if logs else ""
                 raise self._verdict_error(res, namespace, name, clock, verdict, tail, fate)
-            except _Terminated:  # delete first: Argo kills the step after its grace period
+            except Terminated:  # delete first: Argo kills the step after its grace period
                 message = f"{ref} in {namespace}: the step was stopped (SIGTERM); "
                 message += self._delete_for_stop(res, namespace, name)
                 say(message)

@@ -24,13 +24,19 @@ import contextlib
 import re
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 
-from kubellm.backends.base import JobFailed, JobResult, JobTimeout, Trainer, TrainJob
+from kubellm.backends.base import (
+    JobFailed,
+    JobResult,
+    JobTimeout,
+    Terminated,
+    Trainer,
+    TrainJob,
+    sigterm_raises,
+)
 from kubellm.backends.slurm.script import (
     END_MARKER,
     SlurmSettings,
@@ -70,10 +76,6 @@ class SlurmJobStopped(SystemExit):
 
     def __str__(self) -> str:
         return self.message
-
-
-class Terminated(BaseException):
-    pass
 
 
 def _slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -145,27 +147,6 @@ class Follow:
 
     def tail(self, n: int = LOG_TAIL_LINES) -> str:
         return "\n".join(self.text.rstrip("\n").splitlines()[-n:])
-
-
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """While active, the first SIGTERM raises Terminated in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    fired = False
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        nonlocal fired
-        if not fired:
-            fired = True
-            raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 @contextlib.contextmanager

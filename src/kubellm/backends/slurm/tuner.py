@@ -29,7 +29,7 @@ from pathlib import Path
 
 import optuna
 
-from kubellm.backends.base import JobFailed, TrainJob, Tuner, TuneRequest
+from kubellm.backends.base import JobFailed, TrainJob, Tuner, TuneRequest, sigterm_raises
 from kubellm.backends.local.optuna_tuner import (
     max_failed_trials,
     sampler,
@@ -48,7 +48,6 @@ from kubellm.backends.slurm.trainer import (
     job_records,
     job_result,
     sbatch,
-    sigterm_raises,
 )
 from kubellm.tune.search import Trial, TuneResult
 
