@@ -25,6 +25,7 @@ from kubellm.redact import redact
 
 if TYPE_CHECKING:
     from kubellm.backends.kubernetes.podspec import ClusterSettings
+    from kubellm.backends.slurm.script import SlurmSettings
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,18 @@ class Backends:
         return ClusterSettings.from_config(self.cfg, self.kfp_run_id)
 
     @cached_property
+    def slurm_settings(self) -> SlurmSettings:
+        """Resources, placement, fabric and work directory of this run's Slurm jobs."""
+        from kubellm.backends.slurm.script import SlurmSettings
+
+        return SlurmSettings.from_config(self.cfg, self.kfp_run_id)
+
+    @cached_property
     def trainer(self) -> Trainer:
         if self.cfg.platform == "slurm":
-            from kubellm.backends.slurm.script import SlurmSettings
             from kubellm.backends.slurm.trainer import SlurmTrainer
 
-            return SlurmTrainer(SlurmSettings.from_config(self.cfg, self.kfp_run_id))
+            return SlurmTrainer(self.slurm_settings)
         if self.local:
             from kubellm.backends.local.torchrun import TorchrunTrainer
 
@@ -83,10 +90,9 @@ class Backends:
     @cached_property
     def tuner(self) -> Tuner:
         if self.cfg.platform == "slurm":  # the trials as one array job
-            from kubellm.backends.slurm.script import SlurmSettings
             from kubellm.backends.slurm.tuner import SlurmTuner
 
-            return SlurmTuner(SlurmSettings.from_config(self.cfg, self.kfp_run_id))
+            return SlurmTuner(self.slurm_settings)
         if self.local:
             from kubellm.backends.local.optuna_tuner import OptunaTuner
 

@@ -86,7 +86,8 @@ def _slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def sbatch(path: Path, script: str) -> str:
-    """Write `script` to `path` and submit it; the job's id."""
+    """Write `script` to `path` (its directory made if need be) and submit it; the job's id."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
     out = _slurm("sbatch", "--parsable", str(path))
     job_id = out.stdout.strip().split(";")[0]
@@ -191,9 +192,8 @@ class SlurmTrainer(Trainer):
 
     def submit(self, job: TrainJob) -> tuple[str, Path]:
         """Write the script and sbatch it; returns the job id and its output file."""
-        work = Path(self.settings.work_dir)
-        work.mkdir(parents=True, exist_ok=True)
-        job_id = sbatch(work / f"{job.name}.sbatch", build_sbatch(job, self.settings))
+        script = build_sbatch(job, self.settings)
+        job_id = sbatch(Path(self.settings.work_dir) / f"{job.name}.sbatch", script)
         return job_id, Path(output_path(self.settings, job).replace("%j", job_id))
 
     def run(self, job: TrainJob) -> JobResult:

@@ -57,9 +57,11 @@ STARTUP_TRIALS = 10
 
 @dataclasses.dataclass(frozen=True)
 class ArrayPlan:
-    """A search as one array job: the sampled trials, in task order, and its script."""
+    """A search as one array job: the sampled trials, in task order, the array's own job
+    (the trials' template under the search's name) and its script."""
 
     trials: list[tuple[TrainJob, dict[str, float]]]
+    template: TrainJob
     script: str
 
 
@@ -74,7 +76,7 @@ def plan(request: TuneRequest, settings: SlurmSettings) -> ArrayPlan:
     template = dataclasses.replace(request.trial_job, name=request.name)
     parallel = max(1, min(request.parallel_trials, request.max_trials))
     script = build_sbatch(template, settings, trials=[j for j, _ in trials], parallel=parallel)
-    return ArrayPlan(trials, script)
+    return ArrayPlan(trials, template, script)
 
 
 class SlurmTuner(Tuner):
@@ -96,13 +98,10 @@ class SlurmTuner(Tuner):
                 flush=True,
             )
         arr = plan(request, self.settings)
-        work = Path(self.settings.work_dir)
-        work.mkdir(parents=True, exist_ok=True)
-        template = dataclasses.replace(request.trial_job, name=request.name)
         with sigterm_raises():
-            array_id = sbatch(work / f"{request.name}.sbatch", arr.script)
+            array_id = sbatch(Path(self.settings.work_dir) / f"{request.name}.sbatch", arr.script)
             self.array_id = array_id
-            out = output_path(self.settings, template, array=True).replace("%A", array_id)
+            out = output_path(self.settings, arr.template, array=True).replace("%A", array_id)
             logs = []
             for i, (job, _) in enumerate(arr.trials):
                 path = Path(out.replace("%a", str(i)))
@@ -133,7 +132,7 @@ class SlurmTuner(Tuner):
                     continue
                 if info is None and not _forgotten(records, i):
                     continue
-                ended[i] = self._trial(request, job, params, f"{array_id}_{i}", info, logs[i])
+                ended[i] = self._trial(request, i, job, params, f"{array_id}_{i}", info, logs[i])
             failed = sum(t.state == "failed" for t in ended.values())
             stop = ""
             if failed > limit:
@@ -151,6 +150,7 @@ class SlurmTuner(Tuner):
     def _trial(
         self,
         request: TuneRequest,
+        number: int,
         job: TrainJob,
         params: dict[str, float],
         task_id: str,
@@ -158,7 +158,6 @@ class SlurmTuner(Tuner):
         log: Follow,
     ) -> Trial:
         drain(log)
-        number = job.name.rsplit("-", 1)[-1]
         try:
             result = job_result(job, task_id, info, log)
         except JobFailed as err:
@@ -180,7 +179,7 @@ def _forgotten(records: list[dict[str, str]], index: int) -> bool:
     """Whether task `index` is in none of the array's records (ended, and past MinJobAge),
     rather than among its pending tasks (`ArrayTaskId=2-4%1` or `2,4`)."""
     for r in records:
-        spec = r.get("ArrayTaskId", "").split("%")[0]
+        spec = _index(r).split("%")[0]
         for part in filter(None, spec.split(",")):
             low, _, high = part.partition("-")
             if low.isdigit() and int(low) <= index <= int(high or low):
