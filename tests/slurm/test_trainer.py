@@ -49,6 +49,14 @@ def _wait_for(path_of, pattern: str, timeout_s: float = 120) -> None:
     raise AssertionError(f"{pattern!r} not seen in {path_of()}")
 
 
+def drained(timeout_s: float = 60) -> None:
+    """squeue is empty (a cancelled job leaves it within a few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while squeue_ids() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert squeue_ids() == []
+
+
 def test_a_tiny_training_job_completes_with_its_metrics(
     slurm: SlurmCluster, tiny_dataset: Path, tmp_path: Path
 ) -> None:
@@ -138,10 +146,7 @@ def test_a_stopped_step_cancels_its_job(
     with pytest.raises(SlurmJobStopped) as err:
         trainer.run(_job(tmp_path, "long", path))
     assert err.value.code == 143 and "cancelled" in str(err.value)
-    deadline = time.monotonic() + 60
-    while squeue_ids() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert squeue_ids() == []
+    drained()
     assert job_info(trainer.job_id or "")["JobState"] == "CANCELLED"
 
 
@@ -153,10 +158,7 @@ def test_a_job_past_its_timeout_is_cancelled(
     trainer = _trainer(tmp_path)
     with pytest.raises(JobTimeout, match=r"still RUNNING after 10s; job \d+ cancelled"):
         trainer.run(_job(tmp_path, "slow", path, timeout_s=10.0))
-    deadline = time.monotonic() + 60
-    while squeue_ids() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert squeue_ids() == []
+    drained()
 
 
 def test_the_exit_handler_cancels_the_runs_jobs_and_no_others(

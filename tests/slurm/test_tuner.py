@@ -8,16 +8,14 @@ import os
 import re
 import signal
 import threading
-import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from slurmkit import SlurmCluster, free_port, tiny_config, write_config
-from test_trainer import _wait_for
+from slurmkit import SlurmCluster, tiny_config, write_config
+from test_trainer import _trainer, _wait_for, drained
 
 from kubellm.backends.base import JobFailed, TrainJob, TuneRequest
-from kubellm.backends.slurm.script import SlurmSettings
 from kubellm.backends.slurm.trainer import (
     SlurmJobStopped,
     SlurmTrainer,
@@ -32,12 +30,6 @@ pytestmark = pytest.mark.slow
 LR = SearchParam("learning_rate", 1e-3, 4e-3, log=True)
 
 
-def _settings(tmp: Path, **values) -> SlurmSettings:
-    tmp.chmod(0o755)
-    base = {"work_dir": str(tmp / "slurm"), "cpus_per_task": 2, "memory": "4Gi"}
-    return SlurmSettings(**{**base, "rdzv_port": free_port(), **values})
-
-
 def _request(config: Path, space=(LR,), **values) -> TuneRequest:
     job = TrainJob(
         name="tune",
@@ -49,14 +41,6 @@ def _request(config: Path, space=(LR,), **values) -> TuneRequest:
     return TuneRequest(**{**base, **values})
 
 
-def _drained(timeout_s: float = 60) -> None:
-    """squeue is empty (a cancelled job leaves it within a few seconds)."""
-    deadline = time.monotonic() + timeout_s
-    while squeue_ids() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert squeue_ids() == []
-
-
 def _time(value: str) -> datetime:
     return datetime.fromisoformat(value)
 
@@ -66,7 +50,7 @@ def test_a_search_is_one_array_job_whose_tasks_are_its_trials(
 ) -> None:
     config = write_config(tmp_path / "t.json", tiny_config(tiny_dataset, tmp_path / "trials"))
     request = _request(config, parallel_trials=2)
-    tuner = SlurmTuner(_settings(tmp_path), echo=False)
+    tuner = SlurmTuner(_trainer(tmp_path).settings, echo=False)
     result = tuner.tune(request)
     out = capsys.readouterr().out
     assert [t.state for t in result.trials] == ["succeeded"] * 3, out
@@ -97,7 +81,7 @@ def test_failures_past_max_failed_trials_cancel_the_rest_of_the_array(
     config = write_config(tmp_path / "t.json", tiny_config(tiny_dataset, tmp_path / "trials"))
     bad = SearchParam("steps", -9, -1, kind="int")  # every trial's config is invalid
     request = _request(config, space=(bad,), parallel_trials=1, max_failed_trials=0)
-    tuner = SlurmTuner(_settings(tmp_path), echo=False)
+    tuner = SlurmTuner(_trainer(tmp_path).settings, echo=False)
     with pytest.raises(JobFailed, match="all 3 trials failed"):
         tuner.tune(request)
     out = capsys.readouterr().out
@@ -105,7 +89,7 @@ def test_failures_past_max_failed_trials_cancel_the_rest_of_the_array(
     assert re.search(r"1 trials failed \(more than max_failed_trials=0\): job \d+ cancelled", out)
     # the last task never started
     assert not (tmp_path / "slurm" / f"tune-{tuner.array_id}_2.out").exists()
-    _drained()
+    drained()
 
 
 def test_a_stopped_step_and_the_exit_handler_cancel_the_array(
@@ -114,7 +98,7 @@ def test_a_stopped_step_and_the_exit_handler_cancel_the_array(
     cfg = tiny_config(tiny_dataset, tmp_path / "trials", steps=100_000, log_every=50)
     config = write_config(tmp_path / "t.json", cfg)
     request = _request(config, max_trials=2, parallel_trials=1)
-    tuner = SlurmTuner(_settings(tmp_path, run_id="run-s"), echo=False)
+    tuner = SlurmTuner(_trainer(tmp_path, run_id="run-s").settings, echo=False)
 
     def stop() -> None:
         _wait_for(lambda: next((tmp_path / "slurm").glob("tune-*_0.out"), None), r"^step=50 ")
@@ -123,14 +107,14 @@ def test_a_stopped_step_and_the_exit_handler_cancel_the_array(
     threading.Thread(target=stop, daemon=True).start()
     with pytest.raises(SlurmJobStopped, match=r"stopped \(SIGTERM\); job \d+ cancelled"):
         tuner.tune(request)
-    _drained()
+    drained()
     # a step killed without its SIGTERM: the exit handler finds the array by the run's
     # comment and cancels it once (one running task, one pending)
     (tmp_path / "h").mkdir()
-    settings = _settings(tmp_path / "h", run_id="run-h")
+    settings = _trainer(tmp_path / "h", run_id="run-h").settings
     Path(settings.work_dir).mkdir(parents=True)
     array_id = sbatch(Path(settings.work_dir) / "h.sbatch", plan(request, settings).script)
     _wait_for(lambda: next((tmp_path / "h" / "slurm").glob("tune-*_0.out"), None), r"^step=50 ")
     said = SlurmTrainer(settings).release("run-h")
     assert said == [f"slurm job {array_id} (tune): job {array_id} cancelled"]
-    _drained()
+    drained()
