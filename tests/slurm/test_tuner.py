@@ -41,6 +41,12 @@ def _request(config: Path, space=(LR,), **values) -> TuneRequest:
     return TuneRequest(**{**base, **values})
 
 
+def _trial_config(dataset: Path, tmp_path: Path, **values):
+    """A trial's config as stages.tune makes it: parallel trials share one output_dir, so
+    none exports (two exports into one directory race)."""
+    return tiny_config(dataset, tmp_path / "trials", save_model=False, **values)
+
+
 def _time(value: str) -> datetime:
     return datetime.fromisoformat(value)
 
@@ -48,7 +54,7 @@ def _time(value: str) -> datetime:
 def test_a_search_is_one_array_job_whose_tasks_are_its_trials(
     slurm: SlurmCluster, tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = write_config(tmp_path / "t.json", tiny_config(tiny_dataset, tmp_path / "trials"))
+    config = write_config(tmp_path / "t.json", _trial_config(tiny_dataset, tmp_path))
     request = _request(config, parallel_trials=2)
     tuner = SlurmTuner(_trainer(tmp_path).settings, echo=False)
     result = tuner.tune(request)
@@ -78,7 +84,7 @@ def test_a_search_is_one_array_job_whose_tasks_are_its_trials(
 def test_failures_past_max_failed_trials_cancel_the_rest_of_the_array(
     slurm: SlurmCluster, tiny_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = write_config(tmp_path / "t.json", tiny_config(tiny_dataset, tmp_path / "trials"))
+    config = write_config(tmp_path / "t.json", _trial_config(tiny_dataset, tmp_path))
     bad = SearchParam("steps", -9, -1, kind="int")  # every trial's config is invalid
     request = _request(config, space=(bad,), parallel_trials=1, max_failed_trials=0)
     tuner = SlurmTuner(_trainer(tmp_path).settings, echo=False)
@@ -95,7 +101,7 @@ def test_failures_past_max_failed_trials_cancel_the_rest_of_the_array(
 def test_a_stopped_step_and_the_exit_handler_cancel_the_array(
     slurm: SlurmCluster, tiny_dataset: Path, tmp_path: Path
 ) -> None:
-    cfg = tiny_config(tiny_dataset, tmp_path / "trials", steps=100_000, log_every=50)
+    cfg = _trial_config(tiny_dataset, tmp_path, steps=100_000, log_every=50)
     config = write_config(tmp_path / "t.json", cfg)
     request = _request(config, max_trials=2, parallel_trials=1)
     tuner = SlurmTuner(_trainer(tmp_path, run_id="run-s").settings, echo=False)

@@ -29,6 +29,12 @@ def test_trials_are_nested_mlflow_runs(chain: Chain, ctx: StageContext) -> None:
     assert trials[0].data.metrics["eval_loss"] == chain.results["tune"].objective
 
 
+def test_trials_export_nothing(chain: Chain, ctx: StageContext) -> None:
+    """Parallel trials share one output_dir: an export from each would race (save_model=False)."""
+    trials = ctx.backends.workspace.dir("trials")
+    assert trials.is_dir() and not list(trials.rglob("*.safetensors"))
+
+
 def test_no_trials_keeps_the_given_learning_rate(ctx: StageContext) -> None:
     skip = StageContext(
         ctx.cfg.model_copy(update={"tune_trials": 0, "learning_rate": 0.002}),
