@@ -56,6 +56,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httptools
+
 from bench.machine import machine_info
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,10 +66,18 @@ NAME = "bench"
 # server / engine in-process, at most: p50 (issue 20's 1.1), p99 (issue 12's 1.2)
 TARGET_LATENCY = {"p50": 1.1, "p99": 1.2}
 TARGET_THROUGHPUT = 4.0  # 16 concurrent batched / one client sequential, requests/s (issue 20)
-LATENCY = ("server_openai", "engine", "engine_nowait", "complete", "server_v1")
+LATENCY = (
+    "server_openai",
+    "engine",
+    "engine_nowait",
+    "complete",
+    "server_v1",
+    "server_openai_httpclient",
+)
 LABELS = {
     "server_openai": "server, OpenAI completions (HTTP)",
     "server_v1": "server, V1 predict (HTTP)",
+    "server_openai_httpclient": "server, OpenAI completions (HTTP, http.client)",
     "engine": "in-process, BatchEngine.generate_sync",
     "engine_nowait": "in-process, BatchEngine.generate_sync, max_wait_ms 0",
     "complete": "in-process, generate.complete",
@@ -343,7 +353,71 @@ def stop_server(*servers: Server, timeout: float = 15.0) -> None:
 
 
 class Client:
-    """One keep-alive connection (what a client library holds), JSON in and out."""
+    """One keep-alive connection (what a client library holds), JSON in and out, HTTP/1.1
+    parsed in C by httptools (what uvicorn parses requests with), as load generators such as
+    wrk parse natively: the client's own work is not the server's latency. `HttpClient`
+    is the same over the standard library's http.client, whose header parsing (the email
+    package) costs more per request than the rest of the client (docs/benchmarks.md)."""
+
+    def __init__(self, port: int, max_tokens: int) -> None:
+        self.port = port
+        self.max_tokens = max_tokens
+        self.sock = socket.create_connection((HOST, port), timeout=120)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._head = f"Host: {HOST}:{port}\r\nContent-Type: application/json\r\n".encode()
+        self._body: list[bytes] = []
+        self._done = False
+        self._keep_alive = False
+        self._parser = httptools.HttpResponseParser(self)
+
+    # httptools' callbacks
+    def on_headers_complete(self) -> None:
+        self._keep_alive = self._parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        self._done = True
+
+    def post(self, path: str, payload: dict[str, Any]) -> Any:
+        body = json.dumps(payload).encode()
+        self.sock.sendall(
+            b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s"
+            % (path.encode(), self._head, len(body), body)
+        )
+        self._body.clear()
+        self._done = False
+        while not self._done:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError(f"POST {path}: the server closed the connection")
+            self._parser.feed_data(data)
+        status = self._parser.get_status_code()
+        data = b"".join(self._body)
+        if status != 200:
+            raise RuntimeError(f"POST {path}: HTTP {status}: {data[:300]!r}")
+        if not self._keep_alive:
+            raise ConnectionError(f"POST {path}: the server did not keep the connection")
+        return json.loads(data)
+
+    def openai(self, prompt: str) -> Answer:
+        out = self.post(
+            "/openai/v1/completions",
+            {"model": NAME, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0},
+        )
+        return out["choices"][0]["text"], out["usage"]["completion_tokens"]
+
+    def v1(self, prompt: str) -> Answer:
+        payload = {"instances": [{"prompt": prompt, "max_new_tokens": self.max_tokens}]}
+        return self.post(f"/v1/models/{NAME}:predict", payload)["predictions"][0], None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class HttpClient(Client):
+    """The same requests over the standard library's http.client (information)."""
 
     def __init__(self, port: int, max_tokens: int) -> None:
         self.conn = http.client.HTTPConnection(HOST, port, timeout=120)
@@ -357,17 +431,6 @@ class Client:
         if resp.status != 200:
             raise RuntimeError(f"POST {path}: HTTP {resp.status}: {data[:300]!r}")
         return json.loads(data)
-
-    def openai(self, prompt: str) -> Answer:
-        out = self.post(
-            "/openai/v1/completions",
-            {"model": NAME, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0},
-        )
-        return out["choices"][0]["text"], out["usage"]["completion_tokens"]
-
-    def v1(self, prompt: str) -> Answer:
-        payload = {"instances": [{"prompt": prompt, "max_new_tokens": self.max_tokens}]}
-        return self.post(f"/v1/models/{NAME}:predict", payload)["predictions"][0], None
 
     def close(self) -> None:
         self.conn.close()
@@ -497,7 +560,13 @@ def measure_latency(
     blocks = []
     for rnd in range(setup.rounds):
         openai, v1 = Client(server.port, setup.max_tokens), Client(server.port, setup.max_tokens)
-        calls = {**in_process, "server_openai": openai.openai, "server_v1": v1.v1}
+        stdlib = HttpClient(server.port, setup.max_tokens)
+        calls = {
+            **in_process,
+            "server_openai": openai.openai,
+            "server_v1": v1.v1,
+            "server_openai_httpclient": stdlib.openai,
+        }
         parts: dict[str, list[Block]] = {name: [] for name in LATENCY}
         try:
             for name in LATENCY:
@@ -511,6 +580,7 @@ def measure_latency(
         finally:
             openai.close()
             v1.close()
+            stdlib.close()
         for name in LATENCY:
             block = Block(name, rnd, [], 0.0, {}, [])
             for part in parts[name]:
@@ -670,6 +740,12 @@ def ratios(lat: dict[str, Any], thr: dict[str, Any], loc: dict[str, Any], setup:
                 "target": target,
                 "pass": None if target is None else ratio <= target,
             }
+    rows["latency_p50_httpclient_vs_engine"] = {
+        "ratio": lat["server_openai_httpclient"]["p50_ms"] / lat["engine"]["p50_ms"],
+        "per_round": per_round("server_openai_httpclient", "engine", "round_p50_ms"),
+        "target": None,
+        "pass": None,
+    }
     rows["latency_p50_v1_vs_complete"] = {
         "ratio": lat["server_v1"]["p50_ms"] / lat["complete"]["p50_ms"],
         "per_round": per_round("server_v1", "complete", "round_p50_ms"),
@@ -743,6 +819,12 @@ def report(
                 f"{_rounds(r['per_round'])}) | {_ms(so[f'{q}_ms'])} | {_ms(lat[peer][f'{q}_ms'])} "
                 f"| {r['ratio']:.2f} | {target} | {_verdict(r['pass'])} |"
             )
+    r = rat["latency_p50_httpclient_vs_engine"]
+    rows.append(
+        f"| p50 latency (ms), one client on http.client, vs BatchEngine in-process (per round "
+        f"{_rounds(r['per_round'])}) | {_ms(lat['server_openai_httpclient']['p50_ms'])} "
+        f"| {_ms(lat['engine']['p50_ms'])} | {r['ratio']:.2f} | — | — |"
+    )
     r = rat["latency_p50_v1_vs_complete"]
     rows.append(
         f"| p50 latency (ms), V1 predict vs generate.complete in-process (the issue's before: "
@@ -861,8 +943,10 @@ machine is shared: load average {loads[0]} at the start, {loads[1]} at the end.
 
 {chr(10).join(lat_rows)}
 
-- server: HTTP on loopback, one keep-alive connection (`http.client`), the JSON body built,
-  sent, read and parsed inside the timed span; `{{"model", "prompt", "max_tokens":
+- server: HTTP on loopback, one keep-alive connection (a socket, the response parsed by
+  httptools, as load generators parse natively; "on http.client": the standard library's
+  client instead, information), the JSON body built, sent, read and parsed inside the timed
+  span; `{{"model", "prompt", "max_tokens":
   {setup.max_tokens}, "temperature": 0}}`; V1: `{{"instances": [{{"prompt", "max_new_tokens":
   {setup.max_tokens}}}]}}`.
 - in-process: the same model directory loaded with `kubellm.serve.generate.load_model`;

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from quick_runs import BenchRuns
 
-from bench.serve_bench import percentile, rotate
+from bench.serve_bench import Client, percentile, rotate
 
 RESULT_ROWS = (
     "p50 latency (ms), one client, vs BatchEngine in-process (",
@@ -24,18 +26,20 @@ RESULT_ROWS = (
     "p99 latency (ms), one client, vs BatchEngine in-process, max_wait_ms 0",
     "p50 latency (ms), one client, vs generate.complete in-process",
     "p99 latency (ms), one client, vs generate.complete in-process",
+    "p50 latency (ms), one client on http.client, vs BatchEngine in-process",
     "p50 latency (ms), V1 predict vs generate.complete in-process",
     "requests/s, 16 clients, --max-batch 16 vs one client, sequential",
     "requests/s, 16 clients, --max-batch 16 vs 16 clients, --max-batch 1",
     "locust: 16 users, 200 requests",
 )
-TARGETS = {RESULT_ROWS[0]: "≤ 1.1", RESULT_ROWS[1]: "≤ 1.2", RESULT_ROWS[7]: "≥ 4.0"}
+TARGETS = {RESULT_ROWS[0]: "≤ 1.1", RESULT_ROWS[1]: "≤ 1.2", RESULT_ROWS[8]: "≥ 4.0"}
 LATENCY_ROWS = (
     "server, OpenAI completions (HTTP)",
     "in-process, BatchEngine.generate_sync",
     "in-process, BatchEngine.generate_sync, max_wait_ms 0",
     "in-process, generate.complete",
     "server, V1 predict (HTTP)",
+    "server, OpenAI completions (HTTP, http.client)",
 )
 THROUGHPUT_ROWS = (
     "one client, sequential",
@@ -131,3 +135,50 @@ def test_percentile_is_nearest_rank() -> None:
 def test_rotate_turns_the_order() -> None:
     assert rotate(("a", "b", "c"), 4) == ["b", "c", "a"]
     assert rotate(("a", "b", "c"), 0) == ["a", "b", "c"]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        echo = json.dumps({"path": self.path, "got": json.loads(body)}).encode()
+        if self.path == "/fail":
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(echo)))
+            self.end_headers()
+            self.wfile.write(echo)
+        elif self.path == "/chunked":
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for part in (echo[:5], echo[5:]):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+            self.wfile.write(b"0\r\n\r\n")
+        else:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(echo)))
+            self.end_headers()
+            self.wfile.write(echo)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_the_bench_client_parses_http_1_1_on_one_connection() -> None:
+    """The latency contender's client (httptools over a socket): a sized body, a chunked
+    one and an error status, three requests on one keep-alive connection."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    client = Client(server.server_address[1], max_tokens=4)
+    try:
+        assert client.post("/a", {"x": 1}) == {"path": "/a", "got": {"x": 1}}
+        assert client.post("/chunked", {"y": [1, 2]}) == {"path": "/chunked", "got": {"y": [1, 2]}}
+        with pytest.raises(RuntimeError, match="POST /fail: HTTP 503"):
+            client.post("/fail", {})
+        assert client.post("/b", {"z": "é"}) == {"path": "/b", "got": {"z": "é"}}
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
