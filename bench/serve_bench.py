@@ -352,7 +352,34 @@ def stop_server(*servers: Server, timeout: float = 15.0) -> None:
             s.proc.wait()
 
 
-class Client:
+class _JsonClient:
+    """The bench's requests (OpenAI completions, V1 predict) over one keep-alive connection;
+    `post` sends JSON and returns the parsed 200 answer."""
+
+    max_tokens: int
+
+    def post(self, path: str, payload: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def openai(self, prompt: str) -> Answer:
+        out = self.post(
+            "/openai/v1/completions",
+            {"model": NAME, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0},
+        )
+        return out["choices"][0]["text"], out["usage"]["completion_tokens"]
+
+    def v1(self, prompt: str) -> Answer:
+        payload = {"instances": [{"prompt": prompt, "max_new_tokens": self.max_tokens}]}
+        return self.post(f"/v1/models/{NAME}:predict", payload)["predictions"][0], None
+
+    @staticmethod
+    def _answer(path: str, status: int, data: bytes) -> Any:
+        if status != 200:
+            raise RuntimeError(f"POST {path}: HTTP {status}: {data[:300]!r}")
+        return json.loads(data)
+
+
+class Client(_JsonClient):
     """One keep-alive connection (what a client library holds), JSON in and out, HTTP/1.1
     parsed in C by httptools (what uvicorn parses requests with), as load generators such as
     wrk parse natively: the client's own work is not the server's latency. `HttpClient`
@@ -360,7 +387,6 @@ class Client:
     package) costs more per request than the rest of the client (docs/benchmarks.md)."""
 
     def __init__(self, port: int, max_tokens: int) -> None:
-        self.port = port
         self.max_tokens = max_tokens
         self.sock = socket.create_connection((HOST, port), timeout=120)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -393,30 +419,16 @@ class Client:
             if not data:
                 raise ConnectionError(f"POST {path}: the server closed the connection")
             self._parser.feed_data(data)
-        status = self._parser.get_status_code()
-        data = b"".join(self._body)
-        if status != 200:
-            raise RuntimeError(f"POST {path}: HTTP {status}: {data[:300]!r}")
+        answer = self._answer(path, self._parser.get_status_code(), b"".join(self._body))
         if not self._keep_alive:
             raise ConnectionError(f"POST {path}: the server did not keep the connection")
-        return json.loads(data)
-
-    def openai(self, prompt: str) -> Answer:
-        out = self.post(
-            "/openai/v1/completions",
-            {"model": NAME, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0},
-        )
-        return out["choices"][0]["text"], out["usage"]["completion_tokens"]
-
-    def v1(self, prompt: str) -> Answer:
-        payload = {"instances": [{"prompt": prompt, "max_new_tokens": self.max_tokens}]}
-        return self.post(f"/v1/models/{NAME}:predict", payload)["predictions"][0], None
+        return answer
 
     def close(self) -> None:
         self.sock.close()
 
 
-class HttpClient(Client):
+class HttpClient(_JsonClient):
     """The same requests over the standard library's http.client (information)."""
 
     def __init__(self, port: int, max_tokens: int) -> None:
@@ -427,10 +439,7 @@ class HttpClient(Client):
         body = json.dumps(payload).encode()
         self.conn.request("POST", path, body, {"Content-Type": "application/json"})
         resp = self.conn.getresponse()
-        data = resp.read()
-        if resp.status != 200:
-            raise RuntimeError(f"POST {path}: HTTP {resp.status}: {data[:300]!r}")
-        return json.loads(data)
+        return self._answer(path, resp.status, resp.read())
 
     def close(self) -> None:
         self.conn.close()

@@ -143,23 +143,18 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         echo = json.dumps({"path": self.path, "got": json.loads(body)}).encode()
-        if self.path == "/fail":
-            self.send_response(503)
-            self.send_header("Content-Length", str(len(echo)))
-            self.end_headers()
-            self.wfile.write(echo)
-        elif self.path == "/chunked":
+        if self.path == "/chunked":
             self.send_response(200)
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             for part in (echo[:5], echo[5:]):
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
             self.wfile.write(b"0\r\n\r\n")
-        else:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(echo)))
-            self.end_headers()
-            self.wfile.write(echo)
+            return
+        self.send_response(503 if self.path == "/fail" else 200)
+        self.send_header("Content-Length", str(len(echo)))
+        self.end_headers()
+        self.wfile.write(echo)
 
     def log_message(self, *_: object) -> None:
         pass
