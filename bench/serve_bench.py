@@ -14,7 +14,10 @@ reads at start-up: the server has no threads flag):
    - the same engine with max_wait_ms 0 (information: its batching wait can fire for a lone
      caller, at random, so this is the engine's cost without it);
    - in-process, `generate.complete` (model.generate, what evaluate calls; information);
-   - the server's V1 predict route (information: what the issue's "before" figure used).
+   - the server's V1 predict route (information: what the issue's "before" figure used);
+   - bench/peers/bare_http.py, a bare HTTP server (uvloop, httptools, no framework) on the
+     same engine (information: the floor of HTTP in Python, so the report tells the
+     framework's and handler's share of the gap from HTTP's own).
    Both in-process callers tokenize the prompt inside the timed call, as the server does.
 2. Throughput, requests/s: one client sequential; 16 concurrent clients against a server
    started with --max-batch 1 (no batching); 16 concurrent clients against --max-batch 16.
@@ -73,11 +76,13 @@ LATENCY = (
     "complete",
     "server_v1",
     "server_openai_httpclient",
+    "bare_openai",
 )
 LABELS = {
     "server_openai": "server, OpenAI completions (HTTP)",
     "server_v1": "server, V1 predict (HTTP)",
     "server_openai_httpclient": "server, OpenAI completions (HTTP, http.client)",
+    "bare_openai": "bare HTTP server on the same engine (bench/peers/bare_http.py)",
     "engine": "in-process, BatchEngine.generate_sync",
     "engine_nowait": "in-process, BatchEngine.generate_sync, max_wait_ms 0",
     "complete": "in-process, generate.complete",
@@ -297,10 +302,22 @@ class Server:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
 
-def start_server(model_dir: Path, max_batch: int, setup: Setup, work: Path) -> Server:
+def bare_command(
+    model_dir: Path, port: int, max_batch: int, max_wait_ms: float | None
+) -> list[str]:
+    wait = [] if max_wait_ms is None else ["--max-wait-ms", f"{max_wait_ms:g}"]
+    cmd = [sys.executable, "-m", "bench.peers.bare_http", str(model_dir), "--host", HOST]
+    return [*cmd, "--port", str(port), "--name", NAME, "--max-batch", str(max_batch), *wait]
+
+
+def start_server(
+    model_dir: Path, max_batch: int, setup: Setup, work: Path, bare: bool = False
+) -> Server:
+    """The model server (bare: bench/peers/bare_http.py instead) on a free port."""
     port = free_port()
-    cmd = server_command(model_dir, port, max_batch, setup.max_wait_ms)
-    log = work / f"server-mb{max_batch}.log"
+    make = bare_command if bare else server_command
+    cmd = make(model_dir, port, max_batch, setup.max_wait_ms)
+    log = work / f"{'bare' if bare else 'server'}-mb{max_batch}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -555,7 +572,7 @@ SLICE = 10  # latency: requests a contender sends in one turn
 
 
 def measure_latency(
-    setup: Setup, inproc: InProcess, server: Server, prompts: list[str]
+    setup: Setup, inproc: InProcess, server: Server, bare: Server, prompts: list[str]
 ) -> list[Block]:
     """Per round, the contenders take turns of SLICE requests each (the order rotates every
     turn), each turn after one untimed request: every contender meets the machine as it is
@@ -570,11 +587,13 @@ def measure_latency(
     for rnd in range(setup.rounds):
         openai, v1 = Client(server.port, setup.max_tokens), Client(server.port, setup.max_tokens)
         stdlib = HttpClient(server.port, setup.max_tokens)
+        floor = Client(bare.port, setup.max_tokens)
         calls = {
             **in_process,
             "server_openai": openai.openai,
             "server_v1": v1.v1,
             "server_openai_httpclient": stdlib.openai,
+            "bare_openai": floor.openai,
         }
         parts: dict[str, list[Block]] = {name: [] for name in LATENCY}
         try:
@@ -590,6 +609,7 @@ def measure_latency(
             openai.close()
             v1.close()
             stdlib.close()
+            floor.close()
         for name in LATENCY:
             block = Block(name, rnd, [], 0.0, {}, [])
             for part in parts[name]:
@@ -755,6 +775,12 @@ def ratios(lat: dict[str, Any], thr: dict[str, Any], loc: dict[str, Any], setup:
         "target": None,
         "pass": None,
     }
+    rows["latency_p50_bare_vs_engine"] = {
+        "ratio": lat["bare_openai"]["p50_ms"] / lat["engine"]["p50_ms"],
+        "per_round": per_round("bare_openai", "engine", "round_p50_ms"),
+        "target": None,
+        "pass": None,
+    }
     rows["latency_p50_v1_vs_complete"] = {
         "ratio": lat["server_v1"]["p50_ms"] / lat["complete"]["p50_ms"],
         "per_round": per_round("server_v1", "complete", "round_p50_ms"),
@@ -833,6 +859,13 @@ def report(
         f"| p50 latency (ms), one client on http.client, vs BatchEngine in-process (per round "
         f"{_rounds(r['per_round'])}) | {_ms(lat['server_openai_httpclient']['p50_ms'])} "
         f"| {_ms(lat['engine']['p50_ms'])} | {r['ratio']:.2f} | — | — |"
+    )
+    r = rat["latency_p50_bare_vs_engine"]
+    rows.append(
+        f"| p50 latency (ms), one client, the bare HTTP server (no framework) on the same "
+        f"engine, vs BatchEngine in-process (per round {_rounds(r['per_round'])}) "
+        f"| {_ms(lat['bare_openai']['p50_ms'])} | {_ms(lat['engine']['p50_ms'])} "
+        f"| {r['ratio']:.2f} | — | — |"
     )
     r = rat["latency_p50_v1_vs_complete"]
     rows.append(
@@ -924,6 +957,7 @@ def report(
     breakdown = waits
     a_eng, n_eng = agree["openai_vs_engine"]
     a_v1, n_v1 = agree["v1_vs_complete"]
+    a_bare, n_bare = agree["bare_vs_engine"]
     machine = "\n".join(f"| {k} | {v} |" for k, v in info.items())
     opts = dataclasses.asdict(engine_options(setup.max_batch, setup.max_wait_ms))
     wait_source = "the server's default" if setup.max_wait_ms is None else "--max-wait-ms"
@@ -966,9 +1000,13 @@ machine is shared: load average {loads[0]} at the start, {loads[1]} at the end.
   (model.generate, greedy, one prompt per pass).
 - {setup.warmup} warm-up requests before every timed block; tokens/request: the generated
   tokens the engine and the server's `usage` report (generate.complete and V1 do not say).
+- bare: `python -m bench.peers.bare_http` (uvloop, httptools, `json`, the same engine
+  options and tokenizer call; no framework, validation, limits, metrics or access log, and
+  its headers and body in one write): the floor for any Python server around this engine.
 - Answers: the server's OpenAI text equals the in-process engine's for {a_eng} of {n_eng}
-  prompts; V1's stripped text equals generate.complete's for {a_v1} of {n_v1} (batched and
-  unbatched greedy may differ on near-ties, see kubellm.serve.engine).
+  prompts, the bare server's for {a_bare} of {n_bare}; V1's stripped text equals
+  generate.complete's for {a_v1} of {n_v1} (batched and unbatched greedy may differ on
+  near-ties, see kubellm.serve.engine).
 
 {breakdown}
 
@@ -1117,28 +1155,32 @@ def main(argv: list[str] | None = None) -> int:
     load_start = loadavg()
 
     servers: dict[int, Server] = {}
+    bare: Server | None = None
     inproc: InProcess | None = None
     try:
         for mb in sorted({setup.max_batch, 1}):
             servers[mb] = start_server(model_dir, mb, setup, work)
+        bare = start_server(model_dir, setup.max_batch, setup, work, bare=True)
         inproc = InProcess(model_dir, setup)  # loads while the servers start
         model = describe_model(inproc.model, model_dir) | {"source": source}
         ready = {mb: wait_ready(s, args.ready_timeout) for mb, s in servers.items()}
+        wait_ready(bare, args.ready_timeout)
         print(
             f"model: {model['parameters']:,} parameters; servers ready "
             + ", ".join(f"--max-batch {mb} in {t:.1f} s" for mb, t in ready.items()),
             flush=True,
         )
-        lat_blocks = measure_latency(setup, inproc, servers[setup.max_batch], prompts)
+        lat_blocks = measure_latency(setup, inproc, servers[setup.max_batch], bare, prompts)
         inproc.close()
         inproc = None
+        stop_server(bare)
         thr_blocks = measure_throughput(setup, servers, prompts)
         loc = run_locust(servers[setup.max_batch], setup, prompts, work)
         print(f"locust: {json.dumps(loc['total'])}", flush=True)
     finally:
         if inproc is not None:
             inproc.close()
-        stop_server(*servers.values())
+        stop_server(*servers.values(), *([bare] if bare is not None else []))
     load_end = loadavg()
 
     lat = latency_figures(lat_blocks)
@@ -1146,6 +1188,7 @@ def main(argv: list[str] | None = None) -> int:
     rat = ratios(lat, thr, loc, setup)
     agree = {
         "openai_vs_engine": agreement(lat_blocks, "server_openai", "engine"),
+        "bare_vs_engine": agreement(lat_blocks, "bare_openai", "engine"),
         "v1_vs_complete": agreement(lat_blocks, "server_v1", "complete"),
     }
     cmds = {

@@ -27,12 +27,13 @@ RESULT_ROWS = (
     "p50 latency (ms), one client, vs generate.complete in-process",
     "p99 latency (ms), one client, vs generate.complete in-process",
     "p50 latency (ms), one client on http.client, vs BatchEngine in-process",
+    "p50 latency (ms), one client, the bare HTTP server (no framework) on the same engine",
     "p50 latency (ms), V1 predict vs generate.complete in-process",
     "requests/s, 16 clients, --max-batch 16 vs one client, sequential",
     "requests/s, 16 clients, --max-batch 16 vs 16 clients, --max-batch 1",
     "locust: 16 users, 200 requests",
 )
-TARGETS = {RESULT_ROWS[0]: "≤ 1.1", RESULT_ROWS[1]: "≤ 1.2", RESULT_ROWS[8]: "≥ 4.0"}
+TARGETS = {RESULT_ROWS[0]: "≤ 1.1", RESULT_ROWS[1]: "≤ 1.2", RESULT_ROWS[9]: "≥ 4.0"}
 LATENCY_ROWS = (
     "server, OpenAI completions (HTTP)",
     "in-process, BatchEngine.generate_sync",
@@ -40,6 +41,7 @@ LATENCY_ROWS = (
     "in-process, generate.complete",
     "server, V1 predict (HTTP)",
     "server, OpenAI completions (HTTP, http.client)",
+    "bare HTTP server on the same engine (bench/peers/bare_http.py)",
 )
 THROUGHPUT_ROWS = (
     "one client, sequential",
@@ -101,6 +103,9 @@ def test_quick_serve_bench_reports_every_figure(bench_runs: BenchRuns) -> None:
     assert tokens == lat["engine"]["tokens_per_request"] and 1 <= tokens <= 8
     same, total = data["agreement"]["openai_vs_engine"]
     assert same == total == 30
+    # the bare HTTP floor runs the same engine: the same tokens and answers
+    assert lat["bare_openai"]["tokens_per_request"] == tokens
+    assert data["agreement"]["bare_vs_engine"] == [30, 30]
     # kserve's timing lines, one per request while the server logs them at INFO
 
     throughput = {row[0]: row for row in _table(md, "setting")}
