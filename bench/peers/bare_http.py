@@ -36,7 +36,7 @@ COMPLETIONS = b"/openai/v1/completions"
 
 
 def response(status: int, body: bytes, keep_alive: bool) -> bytes:
-    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}[status]
+    reason = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Error"}[status]
     connection = b"" if keep_alive else b"connection: close\r\n"
     return b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (
         status,
@@ -139,7 +139,13 @@ class Connection(asyncio.Protocol):
         while True:
             method, url, body, keep = await self.queue.get()
             if method == b"POST" and url == COMPLETIONS:
-                status, out = await self.server.complete(body)
+                try:
+                    status, out = await self.server.complete(body)
+                except Exception as err:  # answered, so the bench shows it instead of hanging
+                    status, out = (
+                        500,
+                        json.dumps({"error": f"{type(err).__name__}: {err}"}).encode(),
+                    )
             elif method == b"GET" and url == self.ready:
                 status, out = 200, b'{"ready": true}'
             else:

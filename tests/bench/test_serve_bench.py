@@ -13,10 +13,12 @@ import json
 import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 from quick_runs import BenchRuns
 
+from bench import serve_bench
 from bench.serve_bench import Client, percentile, rotate
 
 RESULT_ROWS = (
@@ -182,3 +184,39 @@ def test_the_bench_client_parses_http_1_1_on_one_connection() -> None:
         client.close()
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.timeout(300)
+def test_the_bare_http_floor_answers_as_the_engine_and_reports_a_failed_request(
+    tmp_path: Path,
+) -> None:
+    """bench/peers/bare_http.py: a completion the engine's way (greedy, max_tokens), a
+    request its handler cannot serve answered 500 with the error (not a connection left
+    hanging), then the next request on the same connection answered."""
+    model_dir = serve_bench.ensure_model(tmp_path, 0)
+    setup = serve_bench.Setup(
+        rounds=1,
+        requests=1,
+        throughput_requests=1,
+        clients=1,
+        warmup=0,
+        max_tokens=4,
+        max_batch=4,
+        max_wait_ms=None,
+        threads=1,
+        locust_requests=1,
+        locust_users=1,
+        seed=0,
+    )
+    bare = serve_bench.start_server(model_dir, 4, setup, tmp_path, bare=True)
+    try:
+        serve_bench.wait_ready(bare, 120)
+        client = Client(bare.port, max_tokens=4)
+        text, tokens = client.openai("12+7=")
+        assert tokens == 4 and isinstance(text, str)
+        with pytest.raises(RuntimeError, match=r"HTTP 500: .*TypeError"):
+            client.post("/openai/v1/completions", {"prompt": 5, "max_tokens": 2})
+        assert client.openai("12+7=") == (text, tokens)  # greedy: the same answer again
+        client.close()
+    finally:
+        serve_bench.stop_server(bare)
