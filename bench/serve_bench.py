@@ -113,6 +113,11 @@ class Setup:
     locust_users: int
     seed: int
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Setup:
+        """The setup `parse_args`'s flags ask for."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
 
 Answer = tuple[str, int | None]  # (text, generated tokens when the caller can tell)
 Call = Callable[[str], Answer]
@@ -1123,20 +1128,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd = shlex.join(
         ["python", "-m", "bench.serve_bench", *(sys.argv[1:] if argv is None else argv)]
     )
-    setup = Setup(
-        rounds=args.rounds,
-        requests=args.requests,
-        throughput_requests=args.throughput_requests,
-        clients=args.clients,
-        warmup=args.warmup,
-        max_tokens=args.max_tokens,
-        max_batch=args.max_batch,
-        max_wait_ms=args.max_wait_ms,
-        threads=args.threads,
-        locust_requests=args.locust_requests,
-        locust_users=args.locust_users,
-        seed=args.seed,
-    )
+    setup = Setup.from_args(args)
     t_start = time.perf_counter()
     cache = Path(args.cache_dir).resolve()
     if args.model_dir:

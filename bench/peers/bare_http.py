@@ -4,18 +4,20 @@ Nothing but what every OpenAI completions request over HTTP has to do: uvloop's 
 (the server's), httptools parsing the request (what uvicorn parses with), `json.loads` of
 the body, the prompt encoded by the fast tokenizer's own `tokenizers.Tokenizer` (as
 kubellm.serve.model encodes it), `BatchEngine.submit_async` and one await of its result,
-the answer as JSON (the OpenAI completions fields the bench reads) written with its
-headers in one write. No framework (ASGI, Starlette, FastAPI, kserve), no validation, no
-limits, no metrics, no access log, no disconnect watch: a server nobody should run, and
-the lowest latency any Python server around this engine can reach. `bench.serve_bench`
-measures it in the same turns as the real server (information, no target): the real
-server's gap to the in-process engine, minus this one's, is what the framework and our
-handler cost; this one's own gap is HTTP in Python on this machine.
+the answer as JSON in the OpenAI completions shape (about the real server's bytes to
+build and parse), written with its headers in one write. No framework (ASGI, Starlette,
+FastAPI, kserve), no validation, no limits, no metrics, no access log, no disconnect
+watch: a server nobody should run, and the lowest latency any Python server around this
+engine can reach. `bench.serve_bench` measures it in the same turns as the real server
+(information, no target): the real server's gap to the in-process engine, minus this
+one's, is what the framework and our handler cost; this one's own gap is HTTP in Python
+on this machine.
 
-Same model directory, the same `EngineOptions` the server's flags give (max_batch,
-max_wait_ms), the same torch threads (OMP_NUM_THREADS from the bench). It answers
-`GET /v1/models/NAME` with `{"ready": true}` (the bench's readiness poll) and
-`POST /openai/v1/completions` with `{"prompt", "max_tokens"}` (greedy); anything else 404.
+Same model directory, the same `EngineOptions` the server's flags give
+(`bench.serve_bench.engine_options` of max_batch and max_wait_ms), the same torch threads
+(OMP_NUM_THREADS from the bench). It answers `GET /v1/models/NAME` with `{"ready": true}`
+(the bench's readiness poll) and `POST /openai/v1/completions` with `{"prompt",
+"max_tokens"}` (greedy); anything else 404.
 
     python -m bench.peers.bare_http MODEL_DIR --port 8081 --name bench --max-batch 16
 """
@@ -51,16 +53,14 @@ class BareServer:
     """The engine and the tokenizer every connection shares."""
 
     def __init__(self, model_dir: str, name: str, max_batch: int, max_wait_ms: float | None):
-        from kubellm.serve.engine import BatchEngine, EngineOptions
+        from bench.serve_bench import engine_options
+        from kubellm.serve.engine import BatchEngine
         from kubellm.serve.generate import load_model
 
         model, tokenizer = load_model(model_dir)
-        opts: dict[str, Any] = {"max_batch": max_batch}
-        if max_wait_ms is not None:
-            opts["max_wait_ms"] = max_wait_ms
         self.name = name
         self.backend = tokenizer.backend_tokenizer
-        self.engine = BatchEngine(model, tokenizer, EngineOptions(**opts))
+        self.engine = BatchEngine(model, tokenizer, engine_options(max_batch, max_wait_ms))
         self.engine.start()
 
     async def complete(self, body: bytes) -> tuple[int, bytes]:

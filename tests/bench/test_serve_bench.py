@@ -194,20 +194,8 @@ def test_the_bare_http_floor_answers_as_the_engine_and_reports_a_failed_request(
     request its handler cannot serve answered 500 with the error (not a connection left
     hanging), then the next request on the same connection answered."""
     model_dir = serve_bench.ensure_model(tmp_path, 0)
-    setup = serve_bench.Setup(
-        rounds=1,
-        requests=1,
-        throughput_requests=1,
-        clients=1,
-        warmup=0,
-        max_tokens=4,
-        max_batch=4,
-        max_wait_ms=None,
-        threads=1,
-        locust_requests=1,
-        locust_users=1,
-        seed=0,
-    )
+    flags = ["--quick", "--max-batch", "4", "--max-tokens", "4", "--cache-dir", str(tmp_path)]
+    setup = serve_bench.Setup.from_args(serve_bench.parse_args(flags))
     bare = serve_bench.start_server(model_dir, 4, setup, tmp_path, bare=True)
     try:
         serve_bench.wait_ready(bare, 120)
