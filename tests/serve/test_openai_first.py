@@ -4,6 +4,7 @@ middleware; with --latency-log everything does, so kserve's timing middleware se
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from starlette.testclient import TestClient
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kubellm.serve.model import CausalLMModel
-from kubellm.serve.server import BoundModelServer
+from kubellm.serve.server import ACCESS_LOGGER, BoundModelServer, build_parser
 
 COMPLETION = {"model": "tiny", "prompt": "1+2=", "max_tokens": 2, "temperature": 0}
 
@@ -81,3 +82,30 @@ def test_with_the_latency_log_every_request_goes_through_the_app(model: CausalLM
     with TestClient(served) as client:
         assert client.post("/openai/v1/completions", json=COMPLETION).status_code == 200
     assert seen == ["POST /openai/v1/completions"]
+
+
+@pytest.fixture
+def access_logger() -> Iterator[logging.Logger]:
+    """uvicorn's access logger, put back as it was (the server's setting is process-wide)."""
+    logger = logging.getLogger(ACCESS_LOGGER)
+    handlers, propagate = list(logger.handlers), logger.propagate
+    try:
+        yield logger
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+
+
+@pytest.mark.parametrize("access_log", [True, False])
+def test_no_access_log_leaves_uvicorn_no_handler_to_log_a_request_to(
+    model: CausalLMModel, access_logger: logging.Logger, access_log: bool
+) -> None:
+    """uvicorn logs a request only while its access logger has a handler (it asks
+    `hasHandlers()` per connection); --no-access-log removes them, the default keeps them."""
+    access_logger.addHandler(logging.NullHandler())  # as a logging configuration gives it
+    server = BoundModelServer("127.0.0.1", 0, access_log=access_log)
+    rest = server.rest_server([model])
+    assert rest.config.access_log is access_log
+    assert access_logger.hasHandlers() is access_log
+    args = build_parser().parse_args(["model", "--no-access-log"])
+    assert args.access_log is False
+    assert build_parser().parse_args(["model"]).access_log is True

@@ -56,6 +56,7 @@ from kubellm.serve.protocol import RequestError
 DEFAULTS = EngineOptions()
 OPENAI_PREFIX = "/openai/v1"
 MAX_BODY_BYTES = 4 * 2**20  # the default --max-body-bytes: 4 MiB
+ACCESS_LOGGER = "uvicorn.access"  # one line per request; off with --no-access-log
 R = TypeVar("R", bound=protocol.OpenAIRequest)
 
 log = logging.getLogger(__name__)
@@ -408,11 +409,13 @@ class BoundModelServer(ModelServer):  # type: ignore[misc]
         http_port: int,
         latency_log: bool = False,
         max_body_bytes: int = MAX_BODY_BYTES,
+        access_log: bool = True,
     ) -> None:
         super().__init__(http_port=http_port, enable_grpc=False, workers=1)
         self.host = host
         self.latency_log = latency_log
         self.max_body_bytes = max_body_bytes
+        self.access_log = access_log
 
     def rest_server(self, models: list[CausalLMModel]) -> _RESTServer:
         """Register `models` and build the REST server (`create_application()` makes its
@@ -431,6 +434,14 @@ class BoundModelServer(ModelServer):  # type: ignore[misc]
         rest.config.host = self.host
         rest.latency_log = self.latency_log
         rest.max_body_bytes = self.max_body_bytes
+        if not self.access_log:
+            # what uvicorn's Config(access_log=False) does; kserve builds the Config with
+            # logging left to itself, so it is done here. uvicorn logs a request only while
+            # the logger has handlers (uvicorn/protocols/http/httptools_impl.py).
+            rest.config.access_log = False
+            access = logging.getLogger(ACCESS_LOGGER)
+            access.handlers = []
+            access.propagate = False
         return rest
 
     def start(self, models: list[CausalLMModel]) -> None:
@@ -520,6 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="log kserve's per-request latency lines (kserve.trace); off by default",
     )
+    p.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="no access-log line per request (uvicorn.access; vLLM's "
+        "--disable-uvicorn-access-log): on a request of a few ms its share of the event "
+        "loop is measurable (docs/benchmarks.md). On by default",
+    )
     return p
 
 
@@ -534,6 +553,7 @@ def serve(
     max_tokens_limit: int | None = None,
     latency_log: bool = False,
     max_body_bytes: int = MAX_BODY_BYTES,
+    access_log: bool = True,
 ) -> None:
     logging.basicConfig(level=logging.INFO)
     if not latency_log:
@@ -554,7 +574,11 @@ def serve(
     gc.freeze()
     print(f"serving {name} from {model_dir} on http://{host}:{port}", flush=True)
     BoundModelServer(
-        host=host, http_port=port, latency_log=latency_log, max_body_bytes=max_body_bytes
+        host=host,
+        http_port=port,
+        latency_log=latency_log,
+        max_body_bytes=max_body_bytes,
+        access_log=access_log,
     ).start([model])
 
 
@@ -576,4 +600,5 @@ def main(argv: list[str] | None = None) -> None:
         max_tokens_limit=args.max_tokens_limit,
         latency_log=args.latency_log,
         max_body_bytes=args.max_body_bytes,
+        access_log=args.access_log,
     )
