@@ -14,8 +14,9 @@ from starlette.testclient import TestClient
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kubellm.serve.model import CausalLMModel
-from kubellm.serve.server import ACCESS_LOGGER, BoundModelServer, build_parser
+from kubellm.serve.server import BoundModelServer, build_parser
 
+ACCESS_LOGGER = "uvicorn.access"  # uvicorn logs each request to it
 COMPLETION = {"model": "tiny", "prompt": "1+2=", "max_tokens": 2, "temperature": 0}
 
 

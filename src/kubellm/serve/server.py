@@ -56,7 +56,6 @@ from kubellm.serve.protocol import RequestError
 DEFAULTS = EngineOptions()
 OPENAI_PREFIX = "/openai/v1"
 MAX_BODY_BYTES = 4 * 2**20  # the default --max-body-bytes: 4 MiB
-ACCESS_LOGGER = "uvicorn.access"  # one line per request; off with --no-access-log
 R = TypeVar("R", bound=protocol.OpenAIRequest)
 
 log = logging.getLogger(__name__)
@@ -435,13 +434,11 @@ class BoundModelServer(ModelServer):  # type: ignore[misc]
         rest.latency_log = self.latency_log
         rest.max_body_bytes = self.max_body_bytes
         if not self.access_log:
-            # what uvicorn's Config(access_log=False) does; kserve builds the Config with
-            # logging left to itself, so it is done here. uvicorn logs a request only while
-            # the logger has handlers (uvicorn/protocols/http/httptools_impl.py).
+            # kserve builds the Config (log_config=None, no log_level) before this flag is
+            # known; configuring its logging again then only leaves uvicorn's access logger
+            # without handlers, and uvicorn logs a request only while it has one
             rest.config.access_log = False
-            access = logging.getLogger(ACCESS_LOGGER)
-            access.handlers = []
-            access.propagate = False
+            rest.config.configure_logging()
         return rest
 
     def start(self, models: list[CausalLMModel]) -> None:
