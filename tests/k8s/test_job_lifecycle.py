@@ -38,6 +38,7 @@ from kubellm.backends.kubernetes.client import (
     condition_is_true,
     prepare_body,
 )
+from kubellm.backends.kubernetes.pod_logs import PodLogs
 from kubellm.backends.kubernetes.podspec import ClusterSettings
 from kubellm.backends.kubernetes.pytorchjob import (
     CONTAINER,
@@ -651,6 +652,36 @@ def test_transient_api_errors_are_retried(
 
     assert outcome.logs == "ok\n"
     assert job_requests(fake_k8s)[:4] == ["POST", "POST", "LIST", "LIST"]
+
+
+def test_the_last_look_at_a_log_no_follower_read_retries_a_transient_error(
+    fake_k8s: FakeK8s,
+) -> None:
+    """The job ended before the pod discovery got past the API server's errors (CI saw
+    test_transient_api_errors_are_retried return no log this way): the one read at the end
+    retries a 500 instead of returning nothing."""
+    fake_k8s.add_pod(
+        NS,
+        MASTER,
+        {"training.kubeflow.org/job-name": NAME, "training.kubeflow.org/replica-type": "master"},
+        log="ok\n",
+        spec={"containers": [{"name": CONTAINER, "image": "img"}]},
+    )
+    fake_k8s.fail("GET", "/pods", 500, times=2)
+    echo = Echo()
+    logs = PodLogs(
+        KubeClient(fake_k8s.api_client(), POLL_S),
+        NS,
+        master_selector(NAME),
+        CONTAINER,
+        echo,
+        PYTORCHJOB.kind,
+        None,
+    )
+
+    assert logs.close(2.0) == "ok\n"  # never started: no follower, only the last read
+    assert echo.lines == [f"[{MASTER}] ok"]
+    assert logs.error("ok\n") is None
 
 
 # ---------------------------------------------------------------------- ownership

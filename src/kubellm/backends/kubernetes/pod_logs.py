@@ -304,7 +304,7 @@ class PodLogs:
                     self.echo(f"[{segment.pod}] {segment.partial.decode('utf-8', 'replace')}")
                     segment.partial.clear()
             if not self._segments and drain_s > 0:
-                self._fallback()
+                self._fallback(time.monotonic() + drain_s)
         return self.text()
 
     def _followers(self) -> list[threading.Thread]:
@@ -334,19 +334,26 @@ class PodLogs:
             if len(data) > len(segment.data) and data.startswith(bytes(segment.data)):
                 self._append(segment, data[len(segment.data) :])
 
-    def _fallback(self) -> None:
-        """No pod was followed (it came and went between two looks): read the log once, of
-        the pod `KubeClient.pod_log` picks."""
-        try:
-            pod, text = self.kube.pod_log(self.namespace, self.selector, self.container)
-        except ApiException as e:
-            self._errors.append(
-                f"reading the log of {self.selector}: HTTP {e.status} {api_message(e)}"
-            )
-            return
-        except Exception as e:
-            self._errors.append(f"reading the log of {self.selector}: {e}")
-            return
+    def _fallback(self, deadline: float) -> None:
+        """No pod was followed (it came and went between two looks, or the API server
+        answered the discovery with errors until the job ended): read the log once, of the
+        pod `KubeClient.pod_log` picks, retrying transient errors until `deadline`."""
+        failures = 0
+        while True:
+            try:
+                pod, text = self.kube.pod_log(self.namespace, self.selector, self.container)
+                break
+            except (ApiException, OSError, urllib3.exceptions.HTTPError) as e:
+                transient = not isinstance(e, ApiException) or e.status in TRANSIENT
+                if transient and time.monotonic() < deadline:
+                    failures += 1
+                    self.kube.pause(failures, deadline)
+                    continue
+                self._errors.append(f"reading the log of {self.selector}: {_why(e)}")
+                return
+            except Exception as e:
+                self._errors.append(f"reading the log of {self.selector}: {e}")
+                return
         data = text.encode()
         segment = Segment(pod)
         self._segments[(pod, 0)] = segment
@@ -387,3 +394,8 @@ class PodLogs:
         if text or not self._errors:
             return None
         return "; ".join(dict.fromkeys(self._errors))  # each once
+
+
+def _why(e: Exception) -> str:
+    """An API error as `HTTP <status> <message>`, any other as its text."""
+    return f"HTTP {e.status} {api_message(e)}" if isinstance(e, ApiException) else str(e)
