@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -54,6 +55,46 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_GIVEN: set[int] = set()  # the ports free_port_block handed out
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default
+    32768-60999 where /proc does not say)."""
+    with contextlib.suppress(OSError, ValueError):
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    return 32768, 60999
+
+
+def free_port_block(n: int) -> int:
+    """The first of `n` consecutive ports that are free now and below the ephemeral range,
+    so that no connection's local port takes one later (an array job's task i listens on
+    base + i; `free_port() + i` is an ephemeral port any connect() may be using, and the
+    task's rendezvous store then cannot listen: "The connection to the C10d store has
+    failed")."""
+    low, _ = ephemeral_ports()
+    rng = random.Random()  # not the tests' seeded one: two lanes must not pick alike
+    for _ in range(200):
+        base = rng.randrange(max(1024, low - 8000), max(1025, low - n))
+        block = set(range(base, base + n))
+        if base + n > low or block & _GIVEN:  # two jobs of one test may run side by side
+            continue
+        if all(_bindable(port) for port in block):
+            _GIVEN.update(block)
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports below the ephemeral range ({low})")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 class SlurmCluster:

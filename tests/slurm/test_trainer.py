@@ -17,19 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from slurmkit import SlurmCluster, free_port, tiny_config, write_config
+from slurmkit import SlurmCluster, free_port_block, tiny_config, write_config
 
 from kubellm.backends.base import JobFailed, JobTimeout, TrainJob
 from kubellm.backends.slurm.script import SlurmSettings
 from kubellm.backends.slurm.trainer import SlurmJobStopped, SlurmTrainer, job_info, squeue_ids
 
 pytestmark = pytest.mark.slow
+ARRAY_TASKS = 8  # the most trials a test's array job has, and some
 
 
 def _trainer(tmp: Path, **values) -> SlurmTrainer:
     tmp.chmod(0o755)
     base = {"work_dir": str(tmp / "slurm"), "cpus_per_task": 2, "memory": "4Gi"}
-    return SlurmTrainer(SlurmSettings(**{**base, "rdzv_port": free_port(), **values}), echo=False)
+    # an array's task i rendezvous on rdzv_port + i: a block of free ports for the tuner's
+    port = free_port_block(ARRAY_TASKS)
+    return SlurmTrainer(SlurmSettings(**{**base, "rdzv_port": port, **values}), echo=False)
 
 
 def _job(tmp: Path, name: str, config: Path, **values) -> TrainJob:
