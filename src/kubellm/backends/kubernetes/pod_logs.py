@@ -221,7 +221,7 @@ class PodLogs:
         except ApiException as e:
             if e.status in (404, *TRANSIENT) or not_started(e):  # gone, a hiccup, too early
                 return "retry"
-            self._errors.append(f"reading the log of {pod}: HTTP {e.status} {api_message(e)}")
+            self._errors.append(f"reading the log of {pod}: {_why(e)}")
             return "fatal"  # e.g. 400 for a container the pod does not have, 403
         except (OSError, urllib3.exceptions.HTTPError):
             return "retry"
@@ -323,13 +323,8 @@ class PodLogs:
                 continue
             try:
                 data = self._read(segment.pod)
-            except ApiException as e:
-                self._errors.append(
-                    f"reading the log of {segment.pod}: HTTP {e.status} {api_message(e)}"
-                )
-                continue
             except Exception as e:
-                self._errors.append(f"reading the log of {segment.pod}: {e}")
+                self._errors.append(f"reading the log of {segment.pod}: {_why(e)}")
                 continue
             if len(data) > len(segment.data) and data.startswith(bytes(segment.data)):
                 self._append(segment, data[len(segment.data) :])
@@ -351,8 +346,8 @@ class PodLogs:
                     continue
                 self._errors.append(f"reading the log of {self.selector}: {_why(e)}")
                 return
-            except Exception as e:
-                self._errors.append(f"reading the log of {self.selector}: {e}")
+            except Exception as e:  # e.g. LookupError: no pod matches
+                self._errors.append(f"reading the log of {self.selector}: {_why(e)}")
                 return
         data = text.encode()
         segment = Segment(pod)
