@@ -1,14 +1,18 @@
-"""prepare's outputs on a fixture corpus, byte for byte, against the figures of the code
+"""prepare's outputs on a fixture corpus, value for value, against the figures of the code
 before issue 21's hot-path work (commit 3029868).
 
 The per-record path (reading, cleaning, hashing, batching the tokenizer calls, writing) was
 reworked for short records; these cases hold it to what it made before: the same source
-fingerprint, the same counts by drop reason, the same shards (their sha256) and the same
-held-out examples. The fixture exercises every branch of that path: JSONL and Parquet,
-a BOM, CRLF and blank lines, bad lines of each kind, lone surrogates, text that
-normalization changes (whitespace, NFD), each filter, exact and near duplicates,
-prompt/completion pairs whose parts do and do not make up the text, tokenizer batches cut
-by count, and both packings.
+fingerprint, the same counts by drop reason, the same shards and the same held-out
+examples. A shard is compared by what prepare decides in it (its columns and their types,
+its row groups, its codec and every value), not by its file's sha256: the file also
+records the writer's version (`created_by: parquet-cpp-arrow version 25.0.1`), so a new
+pyarrow release changes the bytes of the same table (CI, on pyarrow 26.0.1).
+
+The fixture exercises every branch of that path: JSONL and Parquet, a BOM, CRLF and blank
+lines, bad lines of each kind, lone surrogates, text that normalization changes
+(whitespace, NFD), each filter, exact and near duplicates, prompt/completion pairs whose
+parts do and do not make up the text, tokenizer batches cut by count, and both packings.
 
 If a deliberate change alters these outputs (a new tokenizers release, a new rule),
 regenerate the figures with `python tests/data/test_prepare_golden.py` and say why in the
@@ -17,6 +21,7 @@ commit.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import sys
@@ -137,6 +142,30 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+def shard_digest(path: Path) -> str:
+    """sha256 of a shard's content as prepare decides it, the same under any pyarrow that
+    reads it: each column's name, type and codec, the rows in each row group, the values."""
+    f = pq.ParquetFile(path)
+    schema = f.schema_arrow
+
+    def kind(t: pa.DataType) -> str:  # a list's child is named by the reader, not by prepare
+        return f"list<{t.value_type}>" if pa.types.is_list(t) else str(t)
+
+    layout = {
+        "columns": [
+            [
+                field.name,
+                kind(field.type),
+                f.metadata.row_group(0).column(i).compression,
+            ]
+            for i, field in enumerate(schema)
+        ],
+        "row_groups": [f.metadata.row_group(i).num_rows for i in range(f.num_row_groups)],
+        "values": f.read().to_pydict(),
+    }
+    return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
+
+
 def run_case(tmp: Path, name: str) -> dict[str, Any]:
     """The figures the test compares: everything prepare wrote that its input decides."""
     src = tmp / "src"
@@ -160,7 +189,7 @@ def run_case(tmp: Path, name: str) -> dict[str, Any]:
         "tokens": m["tokens"],
         "rows": m["rows"],
         "loss_masked_documents": m["loss_masked_documents"],
-        "shards": [(s["name"], s["rows"], s["sha256"]) for s in m["shards"]],
+        "shards": [(s["name"], s["rows"], shard_digest(out / s["name"])) for s in m["shards"]],
         "examples": len(examples),
         "examples_head": examples[:3],
     }

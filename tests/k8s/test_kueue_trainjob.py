@@ -283,17 +283,13 @@ def test_without_the_integration_pod_labels_are_admitted_pod_by_pod(tmp_path: Pa
             ws = workloads(sim)
             if len(pods) != 2 or len(ws) != 2:
                 return None
-            return (
-                ws
-                if [condition(w, "Admitted").get("status") for w in ws]
-                == [
-                    "True",
-                    None,
-                ]
-                else None
-            )
+            # The second pod's Workload exists before the scheduler has looked at it: wait
+            # for its pending condition too, not only for the first one's admission.
+            admitted = [condition(w, "Admitted").get("status") for w in ws]
+            reserved = condition(ws[1], "QuotaReserved").get("status")
+            return ws if admitted == ["True", None] and reserved == "False" else None
 
-        ws = sim.wait_for(half_admitted, 10, "one pod admitted, the other pending")
+        ws = sim.wait_for(half_admitted, 10, "one pod admitted, the other pending on quota")
         for w in ws:
             assert w["metadata"]["name"].startswith("pod-llm-train-node-0-")
             assert [(ps["name"], ps["count"]) for ps in w["spec"]["podSets"]] == [("main", 1)]
