@@ -17,7 +17,9 @@ EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 ARGS ?=
 # `make test` runs the suite as two pytest processes side by side (tests/lanes.py; the time
-# budget is in DEVELOPERS.md); `make test LANES=0` runs it as one.
+# budget is in DEVELOPERS.md); `make test LANES=0` runs it as one. Either way bytecode is
+# written (an environment's PYTHONDONTWRITEBYTECODE is dropped for the suite): its hundreds
+# of interpreters then compile kubellm's modules once instead of each on its own.
 LANES ?= 1
 # checkov (tests/manifests runs it on every kustomization) pins old versions of packages
 # the project shares, so it gets a venv of its own. The stamp names the version: changing
@@ -75,9 +77,9 @@ slurm-deps: ## Install Slurm and munge for tests/slurm (Debian/Ubuntu apt; sudo 
 .PHONY: test
 test: $(STAMP) $(CHECKOV_STAMP) ## Run the full test suite (what CI runs), in two lanes
 ifeq ($(LANES),0)
-	$(BIN)/python -m pytest $(ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest $(ARGS)
 else
-	$(BIN)/python tests/lanes.py $(ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python tests/lanes.py $(ARGS)
 endif
 
 .PHONY: lint

@@ -48,6 +48,15 @@ INSTALL_TIMEOUT_S = 1500
 VENVS = {"core": ("", False), "serve": ("[serve]", True), "train": ("[train]", True)}
 
 
+def _venv_env() -> dict[str, str]:
+    """The environment a venv's commands run in: this one without the dev venv's paths, and
+    with bytecode written (the venvs are installed `--no-compile`: the first command to import
+    a module compiles it for the others, where PYTHONDONTWRITEBYTECODE would have every
+    process compile torch again)."""
+    drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 @dataclass(frozen=True)
 class Venv:
     name: str
@@ -61,8 +70,7 @@ class Venv:
     def run(
         self, *args: str, cwd: Path, timeout: float = 300, check: bool = False
     ) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env["PATH"] = f"{self.root / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        env = {**_venv_env(), "PATH": f"{self.root / 'bin'}{os.pathsep}{os.environ['PATH']}"}
         proc = subprocess.run(
             list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )
@@ -97,8 +105,10 @@ def _make_venv(root: Path, wheel: Path, extras: str, torch: bool) -> Venv:
     started = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=300)
     packages = [*([TORCH_PIN.group(1)] if torch else []), f"{wheel}{extras}"]
+    # --no-compile: pip byte-compiles every file it installs (half of a torch venv's install
+    # CPU); the commands below compile what they import instead, once (`_venv_env`)
     proc = subprocess.run(
-        [str(root / "bin" / "python"), "-m", "pip", "install", "-q", *packages],
+        [str(root / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", *packages],
         capture_output=True,
         text=True,
         timeout=INSTALL_TIMEOUT_S,
@@ -193,7 +203,7 @@ def test_serve_serves_a_saved_model(venvs, tmp_path: Path) -> None:
 
     port = free_port()
     log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = _venv_env()
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [
