@@ -70,7 +70,8 @@ class Venv:
     def run(
         self, *args: str, cwd: Path, timeout: float = 300, check: bool = False
     ) -> subprocess.CompletedProcess[str]:
-        env = {**_venv_env(), "PATH": f"{self.root / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+        env = _venv_env()
+        env["PATH"] = f"{self.root / 'bin'}{os.pathsep}{env.get('PATH', '')}"
         proc = subprocess.run(
             list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )
