@@ -21,6 +21,7 @@ ARGS ?=
 # written (an environment's PYTHONDONTWRITEBYTECODE is dropped for the suite): its hundreds
 # of interpreters then compile kubellm's modules once instead of each on its own.
 LANES ?= 1
+TEST_ENV := env -u PYTHONDONTWRITEBYTECODE
 # checkov (tests/manifests runs it on every kustomization) pins old versions of packages
 # the project shares, so it gets a venv of its own. The stamp names the version: changing
 # CHECKOV_VERSION reinstalls, an unchanged one does nothing.
@@ -77,9 +78,9 @@ slurm-deps: ## Install Slurm and munge for tests/slurm (Debian/Ubuntu apt; sudo 
 .PHONY: test
 test: $(STAMP) $(CHECKOV_STAMP) ## Run the full test suite (what CI runs), in two lanes
 ifeq ($(LANES),0)
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest $(ARGS)
+	$(TEST_ENV) $(BIN)/python -m pytest $(ARGS)
 else
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python tests/lanes.py $(ARGS)
+	$(TEST_ENV) $(BIN)/python tests/lanes.py $(ARGS)
 endif
 
 .PHONY: lint

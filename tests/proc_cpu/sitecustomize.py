@@ -27,7 +27,7 @@ _written = False
 
 def _write(how: str) -> None:
     global _written
-    if _written or not _LOG:
+    if _written:
         return
     _written = True
     times = os.times()

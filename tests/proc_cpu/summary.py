@@ -41,12 +41,8 @@ def summarize(lines: list[dict], tests: int) -> str:
         row[1] += line["cpu"]
         by_test[line["test"].split(" ")[0] or "(no test)"] += line["cpu"]
     total = sum(cpu for _, cpu in by_kind.values()) or 1.0
-    out = [
-        f"{len(lines)} processes, {total:,.0f} CPU-s",
-        "",
-        "| processes | count | CPU-s | share |",
-    ]
-    out.append("|---|---:|---:|---:|")
+    out = [f"{len(lines)} processes, {total:,.0f} CPU-s", ""]
+    out += ["| processes | count | CPU-s | share |", "|---|---:|---:|---:|"]
     for name, (n, cpu) in sorted(by_kind.items(), key=lambda kv: -kv[1][1]):
         out.append(f"| {name} | {n:.0f} | {cpu:,.0f} | {100 * cpu / total:.0f} % |")
     out += ["", "CPU-s of the processes each test started:"]
