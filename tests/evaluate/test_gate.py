@@ -48,6 +48,10 @@ def test_plain_text_gates_on_perplexity_and_a_missing_exact_match_is_not_zero() 
         ("eval_loss", 0.30, 0.30 + 1e-13, 0.0, REJECT),  # float rounding is a tie too
         ("eval_loss", 0.30, 0.3001, 0.0, PROMOTE),  # strictly better
         ("exact_match", 0.80, 0.75, 0.05, PROMOTE),  # by the margin exactly
+        # by the margin exactly, where the subtraction rounds below it (0.04999999999999999)
+        ("exact_match", 0.30, 0.25, 0.05, PROMOTE),
+        ("eval_loss", 0.25, 0.30, 0.05, PROMOTE),
+        ("exact_match", 0.30, 0.25, 0.050001, REJECT),  # the tolerance is rounding only
     ],
 )
 def test_the_champion_must_be_beaten_by_the_margin(
@@ -71,6 +75,11 @@ def test_guards_bound_how_much_worse_the_other_metrics_may_get() -> None:
     assert "+10.0% > 5.0% worse" in beyond.reason
     better = decide({**ARITH, "eval_loss": 0.20}, theirs, guards={"eval_loss": 0.0})
     assert better.decision == PROMOTE, better.reason  # improving a guard is always fine
+    # worse by the bound exactly, where the division rounds above it (0.10000000000000009)
+    at = Champion("1", {**ARITH, "exact_match": 0.75, "eval_loss": 0.7})
+    bound = decide({**ARITH, "eval_loss": 0.77}, at, guards={"eval_loss": 0.1})
+    assert bound.decision == PROMOTE, bound.reason
+    assert "+10.0% <= 10.0% worse" in bound.reason
 
 
 def test_generation_speed_guards_know_their_direction() -> None:

@@ -121,6 +121,12 @@ def _improvement(metric: str, candidate: float, champion: float) -> float:
     return 0.0 if abs(better) <= TIE * max(abs(champion), 1.0) else better
 
 
+def _reaches(value: float, bar: float, scale: float = 1.0) -> bool:
+    """value >= bar, where a difference within float rounding counts as reaching it: 0.30 -
+    0.25 is 0.04999999999999999, and a candidate better by exactly gate_margin passes."""
+    return value >= bar - TIE * max(abs(scale), 1.0)
+
+
 def _beats(
     metric: str, metrics: dict[str, float], champion: Champion, margin: float, allow: bool
 ) -> tuple[bool, str]:
@@ -146,7 +152,7 @@ def _beats(
         )
     better = _improvement(compared, mine, theirs)
     if margin > 0:
-        ok, bar = better >= margin, f"gate_margin {margin:.4g}"
+        ok, bar = _reaches(better, margin, theirs), f"gate_margin {margin:.4g}"
         sign = ">=" if ok else "<"
     else:  # a tie is not an improvement
         ok, bar = better > 0, "0 (a tie keeps the champion)"
@@ -194,7 +200,7 @@ def decide(
                 checks.append((True, f"guard {name}: not measured on this data"))
                 continue
             worse = -_improvement(name, mine, theirs) / max(abs(theirs), 1e-12)
-            ok = worse <= bound
+            ok = _reaches(bound, worse)  # worse by the bound exactly is within it
             checks.append(
                 (
                     ok,
