@@ -233,10 +233,26 @@ def test_max_tokens_limit_caps_what_a_request_asks_and_chats_default(
                     CompletionRequest(model="tiny", prompt="1+2=", max_tokens=6)
                 )
             )
+        # min_tokens past the cap, with max_tokens unasked: refused too, not generated
+        for request in (
+            chat.model_copy(update={"min_tokens": 6}),
+            CompletionRequest(model="tiny", prompt="1+2=", min_tokens=6),
+        ):
+            with pytest.raises(RequestError, match=r"min_tokens is 6: more than .* limit of 5"):
+                asyncio.run(
+                    served.create_chat_completion(request)
+                    if isinstance(request, ChatCompletionRequest)
+                    else served.create_completion(request)
+                )
+        at_cap = asyncio.run(
+            served.create_chat_completion(chat.model_copy(update={"min_tokens": 5}))
+        )
     finally:
         served.max_tokens_limit = None
     assert not isinstance(capped, AsyncIterator) and capped.usage is not None
     assert capped.usage.completion_tokens == 5
+    assert not isinstance(at_cap, AsyncIterator) and at_cap.usage is not None
+    assert at_cap.usage.completion_tokens == 5
 
 
 def test_the_fast_path_tokenizes_as_the_transformers_tokenizer(served: CausalLMModel) -> None:

@@ -22,7 +22,8 @@ How many tokens a request may ask for is bounded by the model's context: the pro
 plus max_tokens must fit in it (a 400 with the numbers otherwise), and an OpenAI chat request
 without max_tokens may use all that is left (OpenAI completions default to 16 tokens, V1/V2
 to 8). `max_tokens_limit` (`--max-tokens-limit`, unset by default) is an operator's cap on
-top of that: asking for more is a 400, and it caps chat's default.
+top of that: asking for more (max_tokens, or a min_tokens above it) is a 400, and it caps
+chat's default.
 
 Before any work a prompt is checked by its length in characters: no token stands for more
 than `chars_per_token` characters (the longest entry of the vocabulary, doubled for
@@ -318,7 +319,12 @@ class CausalLMModel(kserve.Model):  # type: ignore[misc]
                     f"{max(1, min_tokens)} within the model's context length of {ctx} tokens",
                 )
             n = room if default is None else min(max(default, min_tokens), room)
-            return n if limit is None else min(n, max(limit, min_tokens))
+            if limit is not None and min_tokens > limit:
+                raise RequestError(
+                    "min_tokens",
+                    f"min_tokens is {min_tokens}: more than this server's limit of {limit} tokens",
+                )
+            return n if limit is None else min(n, limit)
         if limit is not None and asked > limit:
             raise RequestError(
                 name, f"{name} is {asked}: more than this server's limit of {limit} tokens"
