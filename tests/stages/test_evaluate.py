@@ -108,6 +108,43 @@ def test_the_champion_is_measured_on_the_candidates_data_and_must_be_beaten(
     assert "champion_predictions.json" in artifacts(sides[0.05], run_id)
 
 
+def test_a_champion_that_does_not_load_stays_unless_incomparable_is_allowed(
+    chain: Chain, ctx: StageContext, tmp_path: Path
+) -> None:
+    """A champion whose registered weights no longer load (here: a truncated safetensors
+    file) is one the gate cannot compare: the candidate is rejected with that reason, the
+    champion stays, and gate_allow_incomparable=true lets the absolute bar decide. Before,
+    evaluate crashed, and so did every later run until someone moved the alias by hand."""
+    import shutil
+
+    from kubellm.tracking import CHAMPION
+
+    broken = tmp_path / "broken"
+    shutil.copytree(chain.artifact("model"), broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    client, name = ctx.tracker.client, ctx.cfg.model_name
+    version = client.create_model_version(name, str(broken)).version
+    client.set_registered_model_alias(name, CHAMPION, version)
+    try:
+        results = {}
+        for allow in (False, True):
+            side = side_context(ctx, f"broken-champion-{allow}", gate_allow_incomparable=allow)
+            out = tmp_path / f"predictions-{allow}.json"
+            results[allow] = evaluate.run(
+                side, chain.artifact("model"), chain.artifact("dataset"), str(out)
+            )
+    finally:
+        client.delete_registered_model_alias(name, CHAMPION)
+    kept, allowed = results[False], results[True]
+    assert kept.decision == evaluate.REJECT, kept.reason
+    assert f"champion v{version} cannot be compared, so it stays" in kept.reason
+    assert "(not measured: " in kept.reason and "Error" in kept.reason  # its error, named
+    assert allowed.decision == evaluate.PROMOTE, allowed.reason  # gate_min_accuracy 0 here
+    assert "gate_allow_incomparable=true: the absolute bar decides" in allowed.reason
+    assert not any(k.startswith("champion_") for k in kept.metrics)
+
+
 def test_a_plain_text_corpus_goes_through_the_gate_on_perplexity(
     chain: Chain, ctx: StageContext
 ) -> None:

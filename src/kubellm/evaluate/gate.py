@@ -67,6 +67,8 @@ class Champion:
     # "" when its tokenizer is the candidate's; else how they differ, e.g. "champion vocab
     # 300, candidate 1024": its token losses then are not in `metrics`
     tokenizer_differs: str = ""
+    # why it was not measured at all (it does not load, its template cannot ask the task)
+    not_measured: str = ""
 
 
 @dataclass
@@ -138,7 +140,13 @@ def _beats(
         said = f"tokenizers differ ({champion.tokenizer_differs}): compared on {compared}; "
     mine, theirs = metrics.get(compared), champion.metrics.get(compared)
     if mine is None or theirs is None:
-        why = "the tokenizers differ" if champion.tokenizer_differs else "not measured"
+        why = (
+            f"not measured: {champion.not_measured}"
+            if champion.not_measured and theirs is None
+            else "the tokenizers differ"
+            if champion.tokenizer_differs
+            else "not measured"
+        )
         missing = "champion" if theirs is None else "candidate"
         if allow:
             return True, (

@@ -195,3 +195,10 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
     return str(value)
+
+
+def last_line(error: str) -> str:
+    """What an error says in one line: its last non-empty line (a traceback's or a wrapped
+    error's reason comes last; its first line is often only where it happened)."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""

@@ -26,7 +26,13 @@ from kubellm.evaluate.gate import PROMOTE, REJECT, Champion, decide
 from kubellm.evaluate.metrics import Row, evaluate, heldout_texts
 from kubellm.evaluate.report import html_report, pair_samples
 from kubellm.evaluate.tasks import for_model, load_task
-from kubellm.stages.context import StageContext, StageResult, markdown_table, write_json
+from kubellm.stages.context import (
+    StageContext,
+    StageResult,
+    last_line,
+    markdown_table,
+    write_json,
+)
 
 __all__ = ["PROMOTE", "REJECT", "Result", "run"]
 
@@ -104,25 +110,36 @@ def champion_on(
     from kubellm.tracking.registry import download_hf_dir
 
     with tempfile.TemporaryDirectory(prefix="champion-") as tmp:
-        # a Hugging Face directory whichever layout the version was registered in
+        # a Hugging Face directory whichever layout the version was registered in (a failed
+        # download fails the step: the storage may answer when the step is retried)
         local = download_hf_dir(ctx.tracker.client, mv, Path(tmp) / "model")
-        # before any scoring: another tokenizer's ids are not this model's tokens
-        differs = tokenizer_difference(local, dataset_dir)
+        differs = ""
         examples = task if task is not None else load_eval_examples(dataset_dir, MAX_EXAMPLES)
         try:
+            # before any scoring: another tokenizer's ids are not this model's tokens
+            differs = tokenizer_difference(local, dataset_dir)
             # chats asked in the champion's own template, as its server would be asked them
             examples = for_model(examples, chat_format(local))
-        except DataError as err:
-            about = f"champion v{mv.version} (not measured: {err})"
-            return ChampionScore(Champion(str(mv.version), {}, differs), about)
-        scored: dict[str, Any] = evaluate(
-            local,
-            dataset_dir,
-            examples=examples,
-            dtype=ctx.cfg.serving_dtype,
-            token_loss=not differs,
-            texts=texts,
-        )
+            scored: dict[str, Any] = evaluate(
+                local,
+                dataset_dir,
+                examples=examples,
+                dtype=ctx.cfg.serving_dtype,
+                token_loss=not differs,
+                texts=texts,
+            )
+        except Exception as err:  # the version as registered cannot be compared
+            # a champion that does not load or score is one the gate cannot compare (it
+            # stays, unless gate_allow_incomparable): a crash here failed every later run
+            # until someone moved the alias by hand
+            why = (
+                str(err)
+                if isinstance(err, DataError)
+                else f"{type(err).__name__}: {last_line(str(err))}"
+            )
+            about = f"champion v{mv.version} (not measured: {why})"
+            print(f"evaluate: {about}", flush=True)
+            return ChampionScore(Champion(str(mv.version), {}, differs, why), about)
     return ChampionScore(
         Champion(str(mv.version), dict(scored["metrics"]), differs),
         f"champion v{mv.version}",

@@ -22,7 +22,7 @@ from typing import Any
 from kubellm import backends
 from kubellm.config import PipelineConfig, pipeline_config
 from kubellm.process import end_kfp_step_fast
-from kubellm.stages.context import StageResult, fmt, open_tracker
+from kubellm.stages.context import StageResult, fmt, last_line, open_tracker
 from kubellm.stages.record_data import TAG_UNCHANGED
 from kubellm.tracking import TAG_FINGERPRINT, TAG_STAGE, Tracker
 
@@ -47,13 +47,6 @@ def outcome(state: str) -> str:
     """SUCCEEDED for what the backend calls success, FAILED for anything else (FAILED,
     CANCELED, a DAG left RUNNING by a stopped run)."""
     return SUCCEEDED if state.strip() in SUCCESS_STATES else FAILED
-
-
-def last_line(error: str) -> str:
-    """What an error says in one line: its last non-empty line (a traceback's or a wrapped
-    error's reason comes last; its first line is often only where it happened)."""
-    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
 
 
 def stage_failures(runs: list[Any]) -> list[tuple[str, str]]:
