@@ -152,12 +152,23 @@ class FailedCase:
     state: str
     child: str  # "killed": a stage run left RUNNING; "finished": every stage run finished
     listed: str  # what "Failed stages:" must list
+    finished: tuple[str, ...] = ("preflight",)  # the stage runs that finished ("finished")
 
 
+# The data steps keep one MLflow run between them, made by record_data: a bad record that
+# fails prepare_data (on_error=fail) leaves none, and the summary says where it stopped.
+AT_DATA = "- stopped at prepare_data or record_data, which recorded no MLflow run: "
 FAILED_CASES = [
     FailedCase("a stage killed with its step", "FAILED", "killed", "- train (KILLED): still"),
-    FailedCase("no stage failed (the driver did)", "FAILED", "finished", f"- {NO_STAGE}"),
-    FailedCase("a stopped run's DAG left RUNNING", "RUNNING", "finished", f"- {NO_STAGE}"),
+    FailedCase("no stage failed (the driver did)", "FAILED", "finished", AT_DATA + NO_STAGE),
+    FailedCase("a stopped run's DAG left RUNNING", "RUNNING", "finished", AT_DATA + NO_STAGE),
+    FailedCase(
+        "train's pod refused before its stage began",
+        "FAILED",
+        "finished",
+        f"- stopped at train, which recorded no MLflow run: {NO_STAGE}",
+        ("preflight", "prepare_data", "tune"),
+    ),
 ]
 
 
@@ -173,8 +184,9 @@ def test_failed_stages_is_never_empty_when_the_run_failed(
         tags = {TAG_PARENT: parent, TAG_KFP_RUN: run, TAG_STAGE: "train"}
         tracker.client.create_run(tracker.experiment_id, run_name="train", tags=tags)
     else:
-        with tracker.stage(parent, "preflight"):
-            pass
+        for stage in case.finished:
+            with tracker.stage(parent, stage):
+                pass
     report = summarize.run(runs, run, case.state).report
     assert report.splitlines()[0] == f"# kubellm run {run}: FAILED"
     listed = report.split("\nFailed stages:\n", 1)[1]

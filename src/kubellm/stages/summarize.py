@@ -21,6 +21,7 @@ from typing import Any
 
 from kubellm import backends
 from kubellm.config import PipelineConfig, pipeline_config
+from kubellm.evaluate.gate import PROMOTE
 from kubellm.process import end_kfp_step_fast
 from kubellm.stages.context import StageResult, fmt, last_line, open_tracker
 from kubellm.stages.record_data import TAG_UNCHANGED
@@ -62,13 +63,53 @@ def stage_failures(runs: list[Any]) -> list[tuple[str, str]]:
     return out
 
 
-def failure_reason(failures: list[tuple[str, str]], error: str) -> str:
+# The stages that record an MLflow run, in DAG order. "prepare_data" is the run record_data
+# makes for both data steps (prepare_data keeps none: its cache key is its data alone); tune
+# records one even with tune_trials=0.
+RECORDED_STAGES = (
+    "preflight",
+    "prepare_data",
+    "tune",
+    "train",
+    "evaluate",
+    "register",
+    "deploy",
+    "smoke_test",
+)
+
+
+def stopped_at(runs: list[Any]) -> str:
+    """Where a run that failed without a stage run recording it stopped: the first stage in
+    DAG order without a run ("prepare_data or record_data" for the data steps' run); "" where
+    the DAG itself stops there (unchanged data, a rejected gate) or every stage has a run."""
+    by_stage = {r.data.tags.get(TAG_STAGE): r for r in runs}
+    for stage in RECORDED_STAGES:
+        if stage in by_stage:
+            continue
+        if stage == "preflight":
+            return stage
+        if stage == "prepare_data":
+            return "prepare_data or record_data"
+        if "training skipped" in by_stage["prepare_data"].data.tags.get(TAG_UNCHANGED, ""):
+            return ""
+        evaluated = by_stage.get("evaluate")
+        if evaluated is not None and evaluated.data.tags.get("kubellm.gate") != PROMOTE:
+            return ""
+        return stage
+    return ""
+
+
+def failure_reason(failures: list[tuple[str, str]], error: str, stopped: str = "") -> str:
     """The error text of a failed run: the stage runs' (with the backend's, when it gave
-    one), else the backend's, else why there is none."""
+    one), else the backend's, else why there is none; `stopped` (stopped_at) names the
+    step where no stage run recorded it."""
     text = "; ".join(f"{stage}: {err}" for stage, err in failures)
     if text and error:
         return f"{text} (backend: {error})"
-    return text or error or NO_STAGE_ERROR
+    if text:
+        return text
+    where = f"stopped at {stopped}, which recorded no MLflow run: " if stopped else ""
+    return where + (error or NO_STAGE_ERROR)
 
 
 def build_summary(
@@ -178,7 +219,7 @@ def build_summary(
     lines += ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in table]
     failed = [f"- {stage}: {err}" for stage, err in stage_failures(children)]
     if result == FAILED and not failed:
-        failed = [f"- {failure_reason([], error)}"]
+        failed = [f"- {failure_reason([], error, stopped_at(children))}"]
     if failed:
         lines += ["", "Failed stages:", *failed]
     lines += ["", f"MLflow parent run: `{parent}`", f"Open the MLflow UI: `{ui_cmd}`"]
@@ -229,7 +270,8 @@ def run(params: dict[str, Any], kfp_run_id: str, state: str, error: str = "") ->
             print(f"summary: marked KILLED in MLflow: {', '.join(killed)}", flush=True)
         reason = ""
         if result == FAILED:
-            reason = failure_reason(stage_failures(tracker.children(parent)), error)
+            children = tracker.children(parent)
+            reason = failure_reason(stage_failures(children), error, stopped_at(children))
         tags = {"kubellm.state": result, "kubellm.backend_state": state, "kubellm.error": reason}
         tracker.log(parent, tags={k: v[:4000] for k, v in tags.items()})
         tracker.finish_parent(parent, result == SUCCEEDED)
