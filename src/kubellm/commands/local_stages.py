@@ -34,19 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from kubellm.config import ConfigError, pipeline_config
+from kubellm.stages import DAG
 
 # The stages a span may start and stop at, in DAG order (preflight starts every span; the
 # summary is its exit handler).
-STAGES = (
-    "prepare_data",
-    "record_data",
-    "tune",
-    "train",
-    "evaluate",
-    "register",
-    "deploy",
-    "smoke_test",
-)
+STAGES = DAG
 
 
 @dataclass(frozen=True)

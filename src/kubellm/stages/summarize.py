@@ -23,6 +23,7 @@ from kubellm import backends
 from kubellm.config import PipelineConfig, pipeline_config
 from kubellm.evaluate.gate import PROMOTE
 from kubellm.process import end_kfp_step_fast
+from kubellm.stages import DAG
 from kubellm.stages.context import StageResult, fmt, last_line, open_tracker
 from kubellm.stages.record_data import TAG_UNCHANGED
 from kubellm.tracking import TAG_FINGERPRINT, TAG_STAGE, Tracker
@@ -63,19 +64,10 @@ def stage_failures(runs: list[Any]) -> list[tuple[str, str]]:
     return out
 
 
-# The stages that record an MLflow run, in DAG order. "prepare_data" is the run record_data
+# The stages that record an MLflow run, in DAG order: "prepare_data" is the run record_data
 # makes for both data steps (prepare_data keeps none: its cache key is its data alone); tune
 # records one even with tune_trials=0.
-RECORDED_STAGES = (
-    "preflight",
-    "prepare_data",
-    "tune",
-    "train",
-    "evaluate",
-    "register",
-    "deploy",
-    "smoke_test",
-)
+RECORDED_STAGES = ("preflight", *(stage for stage in DAG if stage != "record_data"))
 
 
 def stopped_at(runs: list[Any]) -> str:
