@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -266,3 +267,39 @@ def test_the_fast_path_tokenizes_as_the_transformers_tokenizer(served: CausalLMM
     for prompt in prompts:
         want = served.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         assert served._encode(prompt, "prompt") == want, prompt
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(
+    served: CausalLMModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts of more than INLINE_CHARS characters in all are tokenized on a worker
+    thread, so the event loop goes on answering other requests meanwhile; short ones on the
+    loop (a thread hand-off costs more than they do)."""
+    import threading
+
+    from kubellm.serve.model import INLINE_CHARS
+    from kubellm.serve.protocol import CompletionRequest
+
+    encode, seen = served._encode, []
+
+    def recording(prompt: str, field: str) -> list[int]:
+        seen.append((len(prompt), threading.get_ident()))
+        return encode(prompt, field)
+
+    monkeypatch.setattr(served, "_encode", recording)
+    each = served.context_length * served.chars_per_token  # the longest prompt let through
+    count = INLINE_CHARS // each + 1  # together over INLINE_CHARS, each within the bound
+
+    async def ask(prompt: str | list[str]) -> int:
+        with contextlib.suppress(RequestError):  # too many tokens for the context: fine
+            await served.create_completion(
+                CompletionRequest(model="tiny", prompt=prompt, max_tokens=1)
+            )
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(ask("1+2="))
+    assert seen == [(4, loop_thread)]
+    seen.clear()
+    loop_thread = asyncio.run(ask(["1+2=" * (each // 4)] * count))
+    assert len(seen) == count and sum(n for n, _ in seen) > INLINE_CHARS
+    assert all(thread != loop_thread for _, thread in seen), seen
