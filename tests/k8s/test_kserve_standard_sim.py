@@ -11,6 +11,7 @@ the stories share their sim and versions across steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import urllib.error
@@ -47,6 +48,8 @@ def _cluster(tmp: Path, crds: Path | None = None) -> SimCluster:
     build_tiny_model(models / "v1")
     for version in ("v2", "v3"):
         shutil.copytree(models / "v1", models / version)
+    (models / "broken").mkdir()
+    (models / "broken" / "config.json").write_text("{}")  # no model_type: fails to load
     return cluster
 
 
@@ -149,6 +152,30 @@ def test_standard_mode_with_spec_canary_deploys_canaries_promotes_and_rolls_back
     assert "version v1 restored" in said
     assert versions(sim, name) == {"v1"}
     assert answers(isvc(sim, name)["status"]["url"], name)
+    srv.delete(name)
+
+
+def test_a_standard_canary_that_never_serves_is_removed_and_the_stable_one_serves_on(
+    sim: SimCluster,
+) -> None:
+    """A canary whose model cannot load never gets an available Deployment: KServe reports
+    the canary not ready (no verdict on the stable predictor's modelStatus), so the deploy
+    waits its timeout, then removes spec.canary; v1 serves throughout and is left as it was."""
+    from kubellm.backends.base import JobTimeout
+
+    name = "llm-std-broken"
+    srv = server(sim)
+    first = srv.deploy(serve(name, "v1"))
+    broken = dataclasses.replace(serve(name, "broken"), timeout_s=20.0)
+    with pytest.raises(JobTimeout, match=r"canary .* did not become ready within 20s") as info:
+        srv.deploy(broken)
+    assert "canary" not in isvc(sim, name)["spec"], str(info.value)
+    sim.wait_for(lambda: versions(sim, name) == {"v1"}, 30, "the canary's Deployment deleted")
+    assert answers(first.endpoint.url, name)
+    assert not isvc(sim, name)["status"].get("canaryStatuses")
+    assert {p["metadata"]["annotations"]["kubellm/run-tag"] for p in predictor_pods(sim, name)} == {
+        "run-v1"
+    }
     srv.delete(name)
 
 
