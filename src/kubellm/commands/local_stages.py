@@ -34,11 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from kubellm.config import ConfigError, pipeline_config
-from kubellm.stages import DAG
 
 # The stages a span may start and stop at, in DAG order (preflight starts every span; the
 # summary is its exit handler).
-STAGES = DAG
+from kubellm.stages import DAG as STAGES
 
 
 @dataclass(frozen=True)

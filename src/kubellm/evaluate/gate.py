@@ -140,13 +140,10 @@ def _beats(
         said = f"tokenizers differ ({champion.tokenizer_differs}): compared on {compared}; "
     mine, theirs = metrics.get(compared), champion.metrics.get(compared)
     if mine is None or theirs is None:
-        why = (
-            f"not measured: {champion.not_measured}"
-            if champion.not_measured and theirs is None
-            else "the tokenizers differ"
-            if champion.tokenizer_differs
-            else "not measured"
-        )
+        if champion.not_measured:  # its metrics are empty: it is the one missing
+            why = f"not measured: {champion.not_measured}"
+        else:
+            why = "the tokenizers differ" if champion.tokenizer_differs else "not measured"
         missing = "champion" if theirs is None else "candidate"
         if allow:
             return True, (
